@@ -1,0 +1,270 @@
+"""End to end: the openai client -> Turnstile -> the real CPU vLLM -> Parquet -> reader.
+
+Checks the promise itself: recorded prompt IDs equal vLLM's own `/tokenize` of the same
+messages, recorded completion IDs and logprobs equal what vLLM returned, the harness
+sees the response vLLM would have given it, and a stitched sample is exactly the
+concatenation of its turns (or is split and flagged where vLLM's re-rendering drifted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import uvicorn
+
+from turnstile.app import create_app
+from turnstile.reader import open_output
+from turnstile.settings import load_settings
+
+MODEL = "tiny-qwen3"
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Get the weather for a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+# Short generations keep the suite fast on two CPU cores.
+MAX_TOKENS = 12
+# Sampling is seeded so that a direct call and a proxied call sample the same tokens.
+SEED = 1234
+
+
+class Turnstile:
+    """Turnstile in front of the real vLLM, run by uvicorn in a thread."""
+
+    def __init__(self, backend_url: str, output: Path, tokenizer: Path) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.output = output
+        settings = load_settings(
+            None,
+            {"backends": [backend_url], "output": output, "port": port,
+             "tokenizer": tokenizer, "shard_max_age_s": 1.0},
+            environ={},
+        )
+        self.app = create_app(settings)
+        self.server = uvicorn.Server(
+            uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="warning")
+        )
+        self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve()))
+
+    def start(self) -> None:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "Turnstile did not start"
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(60)
+
+
+@pytest.fixture
+def turnstile(vllm_server: Any, qwen3_tokenizer_dir: Path, tmp_path: Path) -> Iterator[Turnstile]:
+    ts = Turnstile(vllm_server.base_url, tmp_path / "out", qwen3_tokenizer_dir)
+    ts.start()
+    yield ts
+    ts.stop()
+
+
+def vllm_tokenize(base_url: str, messages: list[dict[str, Any]], tools: Any) -> list[int]:
+    resp = httpx.post(
+        base_url + "/tokenize",
+        json={"model": MODEL, "messages": messages, "tools": tools,
+              "add_generation_prompt": True},
+        timeout=30,
+    )
+    resp.raise_for_status()
+    return list(resp.json()["tokens"])
+
+
+def _strip_volatile(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _strip_volatile(v) for k, v in obj.items()
+                if k not in ("id", "created", "system_fingerprint")}
+    if isinstance(obj, list):
+        return [_strip_volatile(v) for v in obj]
+    return obj
+
+
+def test_response_shape_is_what_vllm_returns(turnstile: Turnstile, vllm_server: Any) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi there"}],
+            "max_tokens": MAX_TOKENS, "seed": SEED, "temperature": 1.0}
+    via = httpx.post(turnstile.url + "/v1/chat/completions", json=body, timeout=60).json()
+    direct = httpx.post(vllm_server.base_url + "/v1/chat/completions", json=body,
+                        timeout=60).json()
+    assert _strip_volatile(via) == _strip_volatile(direct)
+
+    stream_body = {**body, "stream": True}
+    with httpx.stream("POST", turnstile.url + "/v1/chat/completions", json=stream_body,
+                      timeout=60) as r:
+        via_lines = [line for line in r.iter_lines() if line]
+    with httpx.stream("POST", vllm_server.base_url + "/v1/chat/completions",
+                      json=stream_body, timeout=60) as r:
+        direct_lines = [line for line in r.iter_lines() if line]
+    # vLLM groups tokens into chunks by timing, so compare what does not depend on it:
+    # the shape of every chunk, the text, the finish reason and the end of the stream.
+    assert via_lines[-1] == direct_lines[-1] == "data: [DONE]"
+    via_chunks = [json.loads(line[6:]) for line in via_lines[:-1]]
+    direct_chunks = [json.loads(line[6:]) for line in direct_lines[:-1]]
+    assert _strip_volatile(via_chunks[0]) == _strip_volatile(direct_chunks[0])
+    assert _shapes(via_chunks) == _shapes(direct_chunks)
+    assert _text(via_chunks) == _text(direct_chunks)
+    assert _finish(via_chunks) == _finish(direct_chunks)
+
+
+def _shapes(chunks: list[dict[str, Any]]) -> set[str]:
+    """Every chunk's keys, with their null-ness, as comparable strings."""
+    out = set()
+    for chunk in chunks:
+        top = sorted((k, v is None) for k, v in chunk.items() if k != "choices")
+        for choice in chunk["choices"]:
+            keys = sorted((k, v is None) for k, v in choice.items() if k != "delta")
+            out.add(json.dumps([top, keys, sorted(choice.get("delta", {}))]))
+    return out
+
+
+def _text(chunks: list[dict[str, Any]]) -> str:
+    return "".join(c["delta"].get("content") or "" for ch in chunks for c in ch["choices"])
+
+
+def _finish(chunks: list[dict[str, Any]]) -> list[Any]:
+    return [c["finish_reason"] for ch in chunks for c in ch["choices"] if c["finish_reason"]]
+
+
+def _run_rollout(
+    client: openai.OpenAI, stream_pattern: list[bool]
+) -> list[dict[str, Any]]:
+    """Drive a multi-turn conversation; returns what the client saw per turn."""
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "What's the weather in Paris?"},
+    ]
+    seen = []
+    for i, stream in enumerate(stream_pattern):
+        kwargs: dict[str, Any] = dict(
+            model=MODEL, messages=messages, tools=TOOLS, max_tokens=MAX_TOKENS,
+            seed=SEED + i, logprobs=True, extra_body={"return_token_ids": True},
+        )
+        if stream:
+            ids: list[int] = []
+            lps: list[float] = []
+            text = []
+            prompt_ids = None
+            for chunk in client.chat.completions.create(stream=True, **kwargs):
+                extra = chunk.model_extra or {}
+                if extra.get("prompt_token_ids"):
+                    prompt_ids = extra["prompt_token_ids"]
+                for ch in chunk.choices:
+                    ids += (ch.model_extra or {}).get("token_ids") or []
+                    if ch.logprobs and ch.logprobs.content:
+                        lps += [e.logprob for e in ch.logprobs.content]
+                    text.append(ch.delta.content or "")
+            content = "".join(text)
+        else:
+            resp = client.chat.completions.create(**kwargs)
+            choice = resp.choices[0]
+            content = choice.message.content or ""
+            ids = (choice.model_extra or {})["token_ids"]
+            lps = [e.logprob for e in (choice.logprobs.content or [])] if choice.logprobs else []
+            prompt_ids = (resp.model_extra or {})["prompt_token_ids"]
+        seen.append({"messages": list(messages), "ids": ids, "logprobs": lps,
+                     "prompt_ids": prompt_ids, "content": content})
+        messages = [*messages, {"role": "assistant", "content": content},
+                    {"role": "user", "content": f"Thanks. And tomorrow? ({i})"}]
+    return seen
+
+
+def test_multi_turn_rollouts_are_recorded_exactly(
+    turnstile: Turnstile, vllm_server: Any
+) -> None:
+    created = httpx.post(turnstile.url + "/rollouts",
+                         json={"group_id": "g0", "task_id": "weather"}).json()
+    client = openai.OpenAI(base_url=created["base_url"], api_key="unused", max_retries=0)
+    seen = _run_rollout(client, [False, True, False, True])
+    rid = created["rollout_id"]
+    assert httpx.post(f"{turnstile.url}/rollouts/{rid}/rewards",
+                      json={"rewards": {"correct": 1.0, "format": 0.0}}).status_code == 200
+    assert httpx.post(f"{turnstile.url}/rollouts/{rid}/finish").status_code == 200
+    turnstile.stop()
+
+    out = open_output(turnstile.output)
+    turns = sorted(
+        (t for t in out.turns().to_pylist() if t["rollout_id"] == rid),
+        key=lambda t: t["turn_index"],
+    )
+    assert len(turns) == len(seen)
+    for turn, client_saw in zip(turns, seen, strict=True):
+        assert turn["status"] == "ok" and turn["token_source"] == "backend"
+        # the prompt is exactly what vLLM tokenized for these messages
+        expected_prompt = vllm_tokenize(vllm_server.base_url, client_saw["messages"], TOOLS)
+        assert turn["prompt_token_ids"] == expected_prompt
+        assert turn["prompt_token_ids"] == client_saw["prompt_ids"]
+        # the completion and its logprobs are exactly what vLLM returned
+        assert turn["completion_token_ids"] == client_saw["ids"]
+        assert np.array_equal(np.asarray(turn["behavior_logprobs"], np.float32),
+                              np.asarray(client_saw["logprobs"], np.float32))
+
+    samples = [s for s in out.samples().to_pylist() if s["rollout_id"] == rid]
+    assert samples, "the sealed rollout produced no samples"
+    for sample in samples:
+        ids = np.asarray(sample["input_ids"])
+        mask = np.asarray(sample["loss_mask"])
+        for span in sample["turn_spans"]:
+            turn = turns[span["turn_index"]]
+            # every turn's prompt is the sample's tokens up to its completion
+            assert ids[: span["completion_start"]].tolist() == turn["prompt_token_ids"]
+            got = ids[span["completion_start"] : span["completion_end"]].tolist()
+            assert got == turn["completion_token_ids"]
+            assert mask[span["completion_start"] : span["completion_end"]].all()
+        assert mask.sum() == sum(
+            len(turns[s["turn_index"]]["completion_token_ids"]) for s in sample["turn_spans"]
+        )
+        if sample["sample_index"] > 0:
+            assert sample["break_kind"] not in (None, "first")
+            assert sample["break_position"] is not None
+    assert sum(len(s["turn_spans"]) for s in samples) == len(turns)
+    (rollout,) = [r for r in out.rollouts().to_pylist() if r["rollout_id"] == rid]
+    assert rollout["status"] == "finished" and rollout["group_id"] == "g0"
+    assert {r["name"]: r["value"] for r in rollout["rewards"]} == {"correct": 1.0,
+                                                                     "format": 0.0}
+
+
+def test_completions_with_token_prompt(turnstile: Turnstile, vllm_server: Any) -> None:
+    prompt = [151644, 872, 198, 9707, 0, 151645, 198, 151644, 77091, 198]
+    client = openai.OpenAI(base_url=turnstile.url + "/rollouts/cmp-1/v1", api_key="x")
+    resp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS,
+                                     seed=SEED, logprobs=1,
+                                     extra_body={"return_token_ids": True})
+    choice = resp.choices[0]
+    httpx.post(turnstile.url + "/rollouts/cmp-1/finish")
+    turnstile.stop()
+    (turn,) = [t for t in open_output(turnstile.output).turns().to_pylist()
+               if t["rollout_id"] == "cmp-1"]
+    assert turn["prompt_token_ids"] == prompt
+    assert turn["completion_token_ids"] == (choice.model_extra or {})["token_ids"]
+    assert choice.logprobs is not None
+    assert np.array_equal(np.asarray(turn["behavior_logprobs"], np.float32),
+                          np.asarray(choice.logprobs.token_logprobs, np.float32))

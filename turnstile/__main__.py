@@ -1,0 +1,5 @@
+"""`python -m turnstile` runs the command line."""
+
+from turnstile.cli import main
+
+raise SystemExit(main())

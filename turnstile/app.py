@@ -1,0 +1,141 @@
+"""Assembles the server from settings: backend -> proxy -> recorder -> sink, and runs it.
+
+`create_app` takes optional fakes for the backend and the sink so unit tests can run the
+whole HTTP surface without a network or a disk. The lifespan starts the writer thread
+and the idle-rollout sweep; on shutdown it lets in-flight calls finish, seals open
+rollouts as `interrupted`, and publishes everything received before the process exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import orjson
+from fastapi import FastAPI
+
+from turnstile import __version__
+from turnstile.backend import AiohttpBackend, Backend, Timeouts
+from turnstile.errors import TurnstileError
+from turnstile.limits import ROLLOUT_SWEEP_INTERVAL_S, WRITER_JOIN_TIMEOUT_S
+from turnstile.proxy import Proxy
+from turnstile.recorder import Recorder
+from turnstile.routes import build_router, install_error_handlers
+from turnstile.settings import Settings, resolve_secret
+from turnstile.shards import ParquetShardSink, Sink
+from turnstile.tokenizer import LocalTokenizer
+
+log = logging.getLogger("turnstile")
+
+# The start-up look at the backend's model list must not hold up start-up for long.
+MODEL_LIST_TIMEOUT_S = 5.0
+
+
+async def _model_identity(backend: Backend) -> str | None:
+    """The served model's id (and root path) from the backend's model list, if it answers."""
+    try:
+        async with asyncio.timeout(MODEL_LIST_TIMEOUT_S):
+            resp = await backend.request("GET", "/v1/models", None, {})
+            try:
+                body = await resp.read()
+            finally:
+                resp.close()
+        data = orjson.loads(body).get("data") or []
+    except (TurnstileError, TimeoutError, orjson.JSONDecodeError, AttributeError) as exc:
+        log.warning("could not read the backend's model list: %s", exc)
+        return None
+    names = [f"{m.get('id')}" + (f" ({m['root']})" if m.get("root") else "") for m in data]
+    return ", ".join(names) or None
+
+
+def create_app(
+    settings: Settings, *, backend: Backend | None = None, sink: Sink | None = None
+) -> FastAPI:
+    tokenizer = LocalTokenizer(settings.tokenizer) if settings.tokenizer else None
+    if backend is None:
+        backend = AiohttpBackend(
+            settings.backend,
+            Timeouts(
+                settings.connect_timeout_s,
+                settings.first_byte_timeout_s,
+                settings.idle_timeout_s,
+                settings.total_timeout_s,
+            ),
+            pool_size=settings.backend_pool_size,
+            api_key=resolve_secret(settings.backend_api_key_env),
+        )
+    # The sink reads this mapping when it writes a shard; the model is filled in at start-up.
+    identity = {
+        "turnstile.version": __version__,
+        "turnstile.model": "",
+        "turnstile.backend": settings.backend,
+        "turnstile.tokenizer": str(settings.tokenizer or ""),
+    }
+    if sink is None:
+        sink = ParquetShardSink(
+            settings.output,
+            writer_id=settings.writer_id,
+            identity=identity,
+            max_rows=settings.shard_max_rows,
+            max_age_s=settings.shard_max_age_s,
+        )
+    recorder = Recorder(sink, max_backlog=settings.recorder_queue_size, tokenizer=tokenizer)
+    proxy = Proxy(
+        backend,
+        recorder,
+        top_logprobs=settings.top_logprobs,
+        policy_version=settings.policy_version,
+        idle_timeout_s=settings.rollout_idle_timeout_s,
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        model = await _model_identity(backend)
+        identity["turnstile.model"] = model or ""
+        recorder.start()
+        sweeper = asyncio.ensure_future(_sweep(proxy))
+        log.info(
+            "turnstile %s recording %s -> %s (model: %s)",
+            __version__, settings.backend, settings.output, model or "unknown",
+        )
+        try:
+            yield
+        finally:
+            sweeper.cancel()
+            await _drain(proxy, settings.drain_timeout_s)
+            sealed = proxy.registry.seal_all()
+            await backend.aclose()
+            finished = await asyncio.to_thread(recorder.stop, WRITER_JOIN_TIMEOUT_S)
+            log.info(
+                "shut down: sealed %d open rollouts as interrupted; %d turns written%s",
+                sealed, recorder.stats.turns_written,
+                "" if finished else " (WRITER DID NOT FINISH IN TIME)",
+            )
+
+    app = FastAPI(
+        title="Turnstile",
+        version=__version__,
+        description="OpenAI-compatible recording reverse proxy for RL training.",
+        lifespan=lifespan,
+    )
+    app.state.proxy = proxy
+    install_error_handlers(app)
+    app.include_router(build_router(proxy, settings.max_request_body_bytes))
+    return app
+
+
+async def _sweep(proxy: Proxy) -> None:
+    while True:
+        await asyncio.sleep(ROLLOUT_SWEEP_INTERVAL_S)
+        for rollout in proxy.registry.sweep():
+            log.info("rollout %s sealed as abandoned after idling", rollout.rollout_id)
+
+
+async def _drain(proxy: Proxy, timeout_s: float) -> None:
+    proxy.draining = True
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(proxy.idle.wait(), timeout_s)
+    if proxy.in_flight:
+        log.warning("%d calls still in flight after the drain timeout", proxy.in_flight)

@@ -1,0 +1,57 @@
+"""Every default limit and timeout, named, with the reason for its value.
+
+Settings (`turnstile.settings`) take their defaults from here; nothing in Turnstile
+relies on a library's own default timeout.
+"""
+
+from __future__ import annotations
+
+# --- backend timeouts -------------------------------------------------------------
+# Opening a TCP connection to a backend on the same host or rack takes milliseconds;
+# ten seconds covers a busy accept queue without hiding a dead backend for long.
+CONNECT_TIMEOUT_S = 10.0
+# Until the first byte of a response: a non-streaming call answers only when the whole
+# generation is done, and a loaded vLLM may queue a request behind a full batch, so
+# long agent generations (tens of thousands of tokens) need many minutes.
+FIRST_BYTE_TIMEOUT_S = 900.0
+# Between two chunks of a stream: a healthy engine emits tokens every few ms; a
+# minute of silence means a stuck engine or a dead connection.
+IDLE_TIMEOUT_S = 120.0
+# The whole call, as a last resort against a stream that trickles forever.
+TOTAL_TIMEOUT_S = 3600.0
+# Bodies of passthrough and error responses are read whole; bound them.
+MAX_PASSTHROUGH_BODY_BYTES = 64 * 1024 * 1024
+
+# --- client side ---------------------------------------------------------------------
+# Long agent contexts (128k tokens of text, base64 images) stay well under 32 MiB.
+MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
+# Rollout ids appear in URLs and file rows; keep them short and URL-safe.
+MAX_ROLLOUT_ID_LENGTH = 128
+
+# --- backend connection pool -----------------------------------------------------------
+# One keep-alive connection per concurrent stream; rollout fleets run hundreds.
+BACKEND_POOL_SIZE = 1024
+
+# --- recording ----------------------------------------------------------------------
+# Turns waiting for the writer thread. At ~50 KB a turn this is ~400 MB at worst;
+# beyond it the writer is hopelessly behind and clients get 503 instead of data loss.
+RECORDER_QUEUE_SIZE = 8192
+# A shard per this many rows keeps files large enough for efficient scans.
+SHARD_MAX_ROWS = 4096
+# ...and no row waits longer than this to become visible to a trainer.
+SHARD_MAX_AGE_S = 30.0
+# How often the writer thread wakes to roll aged shards when idle.
+WRITER_TICK_S = 1.0
+
+# --- rollouts ----------------------------------------------------------------------------
+# An agent may think, run tools or wait on a sandbox for minutes between turns;
+# half an hour without a turn means the harness has gone away.
+ROLLOUT_IDLE_TIMEOUT_S = 1800.0
+# How often idle rollouts are looked for.
+ROLLOUT_SWEEP_INTERVAL_S = 5.0
+
+# --- shutdown --------------------------------------------------------------------------
+# In-flight streams get this long to finish on SIGTERM before they are cut.
+DRAIN_TIMEOUT_S = 30.0
+# The writer thread gets this long to publish everything on shutdown.
+WRITER_JOIN_TIMEOUT_S = 120.0

@@ -1,0 +1,412 @@
+"""The serving logic: forward a completion call to the backend, relay its answer, record it.
+
+`Proxy.complete` takes a client's raw request body, injects the recording fields,
+forwards it, and returns either a whole body (`Relay`) or an async iterator of SSE bytes
+(`StreamRelay`) that relays each backend event as it arrives. Every call ends in exactly
+one recorded turn per choice, with status `ok`, `aborted` (stream cut: backend died,
+client left, shutdown) or `error` (refused, unreachable, timed out). A turn is handed to
+the recorder before the client gets the end of the response (the JSON body or `[DONE]`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import orjson
+
+from turnstile.backend import Backend, BackendResponse, read_error
+from turnstile.capture import CHAT, CapturePlan, ResponseCapture, plan_request, sampling_params
+from turnstile.capture import validate_request as validate
+from turnstile.errors import (
+    BackendError,
+    BadRequest,
+    Overloaded,
+    TurnstileError,
+)
+from turnstile.recorder import Recorder, SealJob
+from turnstile.records import Timings, TokenSource, TurnRecord, TurnStatus
+from turnstile.rollouts import Rollout, RolloutRegistry
+from turnstile.sse import DONE, SSEError, SSEParser, encode_data
+from turnstile.stitch import RolloutInfo
+
+log = logging.getLogger("turnstile.proxy")
+
+PATHS = {CHAT: "/v1/chat/completions", "completions": "/v1/completions"}
+_EMPTY_I32 = np.zeros(0, dtype=np.int32)
+_EMPTY_F32 = np.zeros(0, dtype=np.float32)
+_JSON = "application/json"
+
+
+@dataclass(frozen=True, slots=True)
+class Relay:
+    """A whole response body for the client."""
+
+    status: int
+    content_type: str
+    body: bytes
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class StreamRelay:
+    """A streamed response: bytes to send as they come."""
+
+    status: int
+    content_type: str
+    chunks: AsyncIterator[bytes]
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Call:
+    """One backend call in progress."""
+
+    turn_id: str
+    endpoint: str
+    rollout: Rollout
+    turn_index: int
+    policy_version: int
+    request: dict[str, Any]
+    plan: CapturePlan
+    received_at: float
+    t0: float
+    t_sent: float | None = None
+    t_first: float | None = None
+    done: bool = False
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {
+            "X-Turnstile-Rollout": self.rollout.rollout_id,
+            "X-Turnstile-Turn": str(self.turn_index),
+        }
+
+
+def _json_or_none(value: Any) -> str | None:
+    return None if value is None else orjson.dumps(value).decode()
+
+
+class Proxy:
+    def __init__(
+        self,
+        backend: Backend,
+        recorder: Recorder,
+        *,
+        top_logprobs: int,
+        policy_version: int,
+        idle_timeout_s: float,
+    ) -> None:
+        self.backend = backend
+        self.recorder = recorder
+        self.top_logprobs = top_logprobs
+        self.policy_version = policy_version
+        self.registry = RolloutRegistry(self._on_seal, idle_timeout_s)
+        self.draining = False
+        self.in_flight = 0
+        self.idle = asyncio.Event()  # set while no call is in flight
+        self.idle.set()
+
+    # -- rollout hand-over -------------------------------------------------------------
+    def _on_seal(self, rollout: Rollout) -> None:
+        info = RolloutInfo(
+            rollout.rollout_id,
+            rollout.group_id,
+            rollout.task_id,
+            rollout.status,
+            list(rollout.rewards.values()),
+        )
+        self.recorder.submit_seal(
+            SealJob(
+                info=info,
+                metadata_json=_json_or_none(rollout.metadata),
+                turns=list(rollout.turns),
+                num_calls=rollout.num_turns,
+                created_at=rollout.created_at,
+                sealed_at=rollout.sealed_at or time.time(),
+            )
+        )
+
+    # -- completion calls ----------------------------------------------------------------
+    async def complete(
+        self,
+        endpoint: str,
+        raw: bytes,
+        *,
+        rollout_id: str | None,
+        policy_version: int | None = None,
+    ) -> Relay | StreamRelay:
+        received_at, t0 = time.time(), time.perf_counter()
+        try:
+            parsed = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+        body = validate(endpoint, parsed)
+        if self.draining:
+            raise Overloaded("Turnstile is shutting down", retry_after_s=5)
+        self.recorder.admit()
+        rollout, turn_index = self.registry.begin_turn(rollout_id)
+        request = {k: v for k, v in body.items()}
+        plan = plan_request(endpoint, body, self.top_logprobs)
+        call = _Call(
+            turn_id=uuid.uuid4().hex,
+            endpoint=endpoint,
+            rollout=rollout,
+            turn_index=turn_index,
+            policy_version=self.policy_version if policy_version is None else policy_version,
+            request=request,
+            plan=plan,
+            received_at=received_at,
+            t0=t0,
+        )
+        self.in_flight += 1
+        self.idle.clear()
+        capture = ResponseCapture(plan)
+        try:
+            forward = orjson.dumps(body)
+            call.t_sent = time.perf_counter()
+            resp = await self.backend.request(
+                "POST", PATHS[endpoint], forward, {"Content-Type": _JSON}
+            )
+            if resp.status >= 400:
+                raise await read_error(resp)
+        except TurnstileError as exc:
+            self._finish(call, capture, TurnStatus.ERROR, exc.message, exc.status)
+            raise
+        except BaseException:
+            self._finish(call, capture, TurnStatus.ERROR, "request cancelled", 499)
+            raise
+        if plan.stream:
+            return StreamRelay(
+                resp.status,
+                resp.headers.get("Content-Type", "text/event-stream"),
+                self._relay_stream(call, capture, resp),
+                call.headers,
+            )
+        return await self._relay_whole(call, capture, resp)
+
+    async def _relay_whole(
+        self, call: _Call, capture: ResponseCapture, resp: BackendResponse
+    ) -> Relay:
+        try:
+            raw = await resp.read()
+        except TurnstileError as exc:
+            self._finish(call, capture, TurnStatus.ERROR, exc.message, exc.status)
+            raise
+        except BaseException:
+            self._finish(call, capture, TurnStatus.ABORTED, "request cancelled", 499)
+            raise
+        finally:
+            resp.close()
+        call.t_first = time.perf_counter()
+        try:
+            obj = orjson.loads(raw)
+            if not isinstance(obj, dict):
+                raise TypeError("response is not a JSON object")
+        except (orjson.JSONDecodeError, TypeError) as exc:
+            err = BackendError(f"the backend's response is not a JSON object: {exc}")
+            self._finish(call, capture, TurnStatus.ERROR, err.message, err.status)
+            raise err from None
+        capture.add(obj, chunk=False)
+        if call.plan.needs_strip:
+            call.plan.strip(obj)
+            raw = orjson.dumps(obj)
+        self._finish(call, capture, TurnStatus.OK, None, resp.status)
+        return Relay(resp.status, resp.headers.get("Content-Type", _JSON), raw, call.headers)
+
+    async def _relay_stream(
+        self, call: _Call, capture: ResponseCapture, resp: BackendResponse
+    ) -> AsyncIterator[bytes]:
+        parser = SSEParser()
+        plan = call.plan
+        saw_done = False
+        error: str | None = None
+        stream_error: str | None = None  # an error event sent by the backend itself
+        try:
+            async for chunk in resp.iter_chunks():
+                out: list[bytes] = []
+                for event in parser.feed(chunk):
+                    data = event.data
+                    if data is None:
+                        out.append(event.raw)
+                        continue
+                    if data.strip() == DONE:
+                        saw_done = True
+                        break
+                    try:
+                        obj = orjson.loads(data)
+                    except orjson.JSONDecodeError:
+                        out.append(event.raw)
+                        continue
+                    if not isinstance(obj, dict):
+                        out.append(event.raw)
+                        continue
+                    if "error" in obj and not obj.get("choices"):
+                        stream_error = _error_message(obj)
+                        out.append(event.raw)
+                        continue
+                    capture.add(obj, chunk=True)
+                    if call.t_first is None and any(
+                        c.token_ids or c.content for c in capture.choices.values()
+                    ):
+                        call.t_first = time.perf_counter()
+                    if plan.needs_strip:
+                        plan.strip(obj)
+                        if not plan.carries_nothing(obj):
+                            out.append(encode_data(orjson.dumps(obj)))
+                    else:
+                        out.append(event.raw)
+                if out:
+                    yield b"".join(out)
+                if saw_done:
+                    break
+            if not saw_done:
+                error = "the backend closed the stream before [DONE]"
+        except (BackendError, SSEError) as exc:
+            error = str(exc)
+        finally:
+            resp.close()
+            if not call.done and not (saw_done or error):
+                # The client went away (or the server is stopping) mid-stream.
+                self._finish(call, capture, TurnStatus.ABORTED, "client disconnected", 499)
+        if saw_done and stream_error is None:
+            self._finish(call, capture, TurnStatus.OK, None, resp.status)
+            yield encode_data(DONE)
+            return
+        if stream_error is not None and error is None:
+            self._finish(call, capture, TurnStatus.ERROR, stream_error, resp.status)
+            yield encode_data(DONE)
+            return
+        status = TurnStatus.ABORTED if capture.choices else TurnStatus.ERROR
+        self._finish(call, capture, status, error, 502)
+        log.warning(
+            "stream of rollout %s turn %d cut: %s",
+            call.rollout.rollout_id, call.turn_index, error,
+        )
+        err = BackendError(f"the backend stream failed: {error}")
+        yield encode_data(err.body_bytes())
+        yield encode_data(DONE)
+
+    # -- recording -------------------------------------------------------------------
+    def _finish(
+        self,
+        call: _Call,
+        capture: ResponseCapture,
+        status: TurnStatus,
+        error: str | None,
+        http_status: int,
+    ) -> None:
+        """Record the call's turns exactly once and release its rollout slot."""
+        if call.done:
+            return
+        call.done = True
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self.idle.set()
+        records = self._records(call, capture, status, error, http_status)
+        self.recorder.submit_turns(records)
+        self.registry.end_turn(call.rollout, records)
+
+    def _records(
+        self,
+        call: _Call,
+        capture: ResponseCapture,
+        status: TurnStatus,
+        error: str | None,
+        http_status: int,
+    ) -> list[TurnRecord]:
+        now = time.perf_counter()
+        timings = Timings(
+            received_at=call.received_at,
+            queue_s=(call.t_sent or now) - call.t0,
+            ttft_s=None if call.t_first is None or not call.plan.stream else call.t_first - call.t0,
+            total_s=now - call.t0,
+        )
+        req = call.request
+        is_chat = call.endpoint == CHAT
+        common: dict[str, Any] = dict(
+            turn_id=call.turn_id,
+            rollout_id=call.rollout.rollout_id,
+            group_id=call.rollout.group_id,
+            turn_index=call.turn_index,
+            endpoint=call.endpoint,
+            policy_version=call.policy_version,
+            status=status,
+            sampling_params_json=orjson.dumps(sampling_params(req)).decode(),
+            request_messages_json=_json_or_none(req.get("messages")) if is_chat else None,
+            request_tools_json=_json_or_none(req.get("tools")) if is_chat else None,
+            request_prompt_json=None if is_chat else _json_or_none(req.get("prompt")),
+            timings=timings,
+            http_status=http_status,
+            error=error,
+        )
+        model = capture.model or str(req.get("model") or "")
+        if not capture.choices:
+            return [
+                TurnRecord(
+                    choice_index=0, model=model, token_source=TokenSource.NONE,
+                    prompt_token_ids=_EMPTY_I32, completion_token_ids=_EMPTY_I32,
+                    behavior_logprobs=_EMPTY_F32, finish_reason=None, stop_reason=None,
+                    response_message_json=None, response_text=None, **common,
+                )
+            ]
+        records = []
+        for index in sorted(capture.choices):
+            cap = capture.choices[index]
+            prompt = capture.prompt_ids_for(cap)
+            ids, lps = cap.completion_arrays(call.plan.echo)
+            exact = prompt is not None and cap.saw_token_ids
+            top_ids, top_values = cap.top_k(len(ids), call.plan.echo)
+            records.append(
+                TurnRecord(
+                    choice_index=index,
+                    model=model,
+                    token_source=TokenSource.BACKEND if exact else TokenSource.NONE,
+                    prompt_token_ids=np.asarray(prompt or (), dtype=np.int32),
+                    completion_token_ids=ids,
+                    behavior_logprobs=lps,
+                    finish_reason=cap.finish_reason,
+                    stop_reason=cap.stop_reason,
+                    response_message_json=orjson.dumps(cap.message()).decode()
+                    if is_chat
+                    else None,
+                    response_text=None if is_chat else cap.text(),
+                    top_logprob_ids=top_ids,
+                    top_logprob_values=top_values,
+                    **common,
+                )
+            )
+        return records
+
+    # -- anything else ----------------------------------------------------------------
+    async def passthrough(
+        self, method: str, path: str, body: bytes | None, content_type: str | None
+    ) -> StreamRelay:
+        headers = {"Content-Type": content_type} if content_type else {}
+        resp = await self.backend.request(method, path, body, headers)
+        return StreamRelay(
+            resp.status,
+            resp.headers.get("Content-Type", _JSON),
+            _passthrough_chunks(resp),
+        )
+
+
+async def _passthrough_chunks(resp: BackendResponse) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in resp.iter_chunks():
+            yield chunk
+    finally:
+        resp.close()
+
+
+def _error_message(obj: dict[str, Any]) -> str:
+    err = obj.get("error")
+    if isinstance(err, dict) and isinstance(err.get("message"), str):
+        return str(err["message"])
+    return str(err)

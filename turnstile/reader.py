@@ -1,0 +1,373 @@
+"""Reading Turnstile output from a trainer: published shards only, version-checked.
+
+This module imports nothing beyond pyarrow, numpy and the standard library (plus the
+schema declaration), so trainers can use it without the proxy's web stack.
+
+An output directory holds one sub-directory per table (`turns`, `samples`, `rollouts`)
+of published shards named `part-*.parquet`; staged files are never listed. Several
+output directories (e.g. one per proxy replica) merge into one view. Every shard's
+`turnstile.schema_version` metadata is checked before it is read.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Final, TypedDict
+
+import numpy as np
+import numpy.typing as npt
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+
+from turnstile.schema import (
+    META_SCHEMA_VERSION,
+    META_TABLE,
+    SCHEMA_VERSION,
+    SCHEMAS,
+    TABLES,
+    TableName,
+)
+
+SHARD_GLOB: Final[str] = "part-*.parquet"
+
+# Which columns the policy-version and status filters apply to, per table.
+_VERSION_RANGE: Final[Mapping[TableName, tuple[str, str]]] = {
+    "turns": ("policy_version", "policy_version"),
+    "samples": ("min_policy_version", "max_policy_version"),
+    "rollouts": ("min_policy_version", "max_policy_version"),
+}
+_STATUS_COLUMN: Final[Mapping[TableName, str]] = {
+    "turns": "status",
+    "samples": "rollout_status",
+    "rollouts": "status",
+}
+_SAMPLE_ARRAY_COLUMNS: Final[tuple[str, ...]] = (
+    "rollout_id",
+    "sample_index",
+    "group_id",
+    "task_id",
+    "rollout_status",
+    "input_ids",
+    "loss_mask",
+    "behavior_logprobs",
+    "rewards",
+    "reward",
+    "policy_versions",
+)
+
+
+class ShardFormatError(ValueError):
+    """A file is not a Turnstile shard of the expected table."""
+
+
+class SchemaVersionError(ShardFormatError):
+    """A shard was written with a schema version this reader does not know."""
+
+
+class SampleArrays(TypedDict):
+    """One training sample as numpy arrays (each array is a fresh, writable copy)."""
+
+    rollout_id: str
+    sample_index: int
+    group_id: str | None
+    task_id: str | None
+    rollout_status: str
+    input_ids: npt.NDArray[np.int32]
+    loss_mask: npt.NDArray[np.int8]
+    behavior_logprobs: npt.NDArray[np.float32]
+    rewards: dict[str, float]
+    reward: float | None
+    policy_versions: npt.NDArray[np.int64]
+
+
+def rewards_dict(struct_list: pa.Scalar | Sequence[Mapping[str, Any]] | None) -> dict[str, float]:
+    """`{name: value}` from a `rewards` cell (Arrow scalar or `to_pylist()` form).
+
+    If a name occurs more than once, its last value wins.
+    """
+    if struct_list is None:
+        return {}
+    items = struct_list.as_py() if isinstance(struct_list, pa.Scalar) else struct_list
+    if items is None:
+        return {}
+    return {str(item["name"]): float(item["value"]) for item in items}
+
+
+def check_shard(path: Path, table: TableName) -> dict[str, str]:
+    """The shard's Turnstile metadata, after checking its version and table."""
+    try:
+        raw = pq.read_schema(path).metadata or {}
+    except (OSError, pa.ArrowInvalid) as e:
+        raise ShardFormatError(f"{path}: cannot read a Parquet footer: {e}") from e
+    meta = {k.decode(): v.decode() for k, v in raw.items() if k.startswith(b"turnstile.")}
+    version_text = meta.get(META_SCHEMA_VERSION)
+    if version_text is None:
+        raise ShardFormatError(f"{path}: no {META_SCHEMA_VERSION} metadata: not a Turnstile shard")
+    try:
+        version = int(version_text)
+    except ValueError as e:
+        raise SchemaVersionError(f"{path}: unreadable schema version {version_text!r}") from e
+    if version != SCHEMA_VERSION:
+        newer = "a newer" if version > SCHEMA_VERSION else "an unknown"
+        raise SchemaVersionError(
+            f"{path}: written with {newer} schema version {version}; this reader "
+            f"understands version {SCHEMA_VERSION} (upgrade turnstile to read it)"
+        )
+    if meta.get(META_TABLE) != table:
+        raise ShardFormatError(f"{path}: holds table {meta.get(META_TABLE)!r}, not {table!r}")
+    return meta
+
+
+def _values(statuses: Iterable[str | enum.Enum]) -> list[str]:
+    return [s.value if isinstance(s, enum.Enum) else str(s) for s in statuses]
+
+
+class ShardReader:
+    """A merged, read-only view of one or more Turnstile output directories."""
+
+    def __init__(self, paths: str | Path | Sequence[str | Path]) -> None:
+        if isinstance(paths, (str, Path)):
+            paths = [paths]
+        self.roots = [Path(p) for p in paths]
+        if not self.roots:
+            raise ValueError("no output directory given")
+        for root in self.roots:
+            if not root.is_dir():
+                raise FileNotFoundError(f"Turnstile output directory {root} does not exist")
+        self._checked: dict[Path, dict[str, str]] = {}
+
+    # ------------------------------------------------------------ files
+
+    def files(self, table: TableName) -> list[Path]:
+        """Published shards of `table` in all directories, oldest first, version-checked."""
+        if table not in SCHEMAS:
+            raise ValueError(f"unknown table {table!r}; expected one of {TABLES}")
+        found = [p for root in self.roots for p in (root / table).glob(SHARD_GLOB)]
+        found.sort(key=lambda p: (p.name, str(p)))
+        for path in found:
+            if path not in self._checked:
+                self._checked[path] = check_shard(path, table)
+        return found
+
+    def metadata(self, table: TableName) -> list[dict[str, str]]:
+        """The Turnstile metadata (version, model, tokenizer, writer) of each shard."""
+        return [self._checked[p] for p in self.files(table)]
+
+    def dataset(self, table: TableName) -> ds.Dataset:
+        """A `pyarrow.dataset` over the published shards of `table`."""
+        return ds.dataset(
+            [str(p) for p in self.files(table)], schema=SCHEMAS[table], format="parquet"
+        )
+
+    # ------------------------------------------------------------ tables
+
+    def _filter(
+        self,
+        table: TableName,
+        policy_version_min: int | None,
+        policy_version_max: int | None,
+        statuses: Iterable[str | enum.Enum] | None,
+    ) -> pc.Expression | None:
+        low_col, high_col = _VERSION_RANGE[table]
+        terms: list[pc.Expression] = []
+        if policy_version_min is not None:
+            terms.append(pc.field(low_col) >= policy_version_min)
+        if policy_version_max is not None:
+            terms.append(pc.field(high_col) <= policy_version_max)
+        if statuses is not None:
+            terms.append(pc.field(_STATUS_COLUMN[table]).isin(_values(statuses)))
+        if not terms:
+            return None
+        expression = terms[0]
+        for term in terms[1:]:
+            expression = expression & term
+        return expression
+
+    def read(
+        self,
+        table: TableName,
+        *,
+        policy_version_min: int | None = None,
+        policy_version_max: int | None = None,
+        statuses: Iterable[str | enum.Enum] | None = None,
+        columns: Sequence[str] | None = None,
+    ) -> pa.Table:
+        """Rows of `table` matching the filters (see `samples` for their meaning)."""
+        expression = self._filter(table, policy_version_min, policy_version_max, statuses)
+        cols = list(columns) if columns is not None else None
+        return self.dataset(table).to_table(columns=cols, filter=expression)
+
+    def samples(
+        self,
+        policy_version_min: int | None = None,
+        policy_version_max: int | None = None,
+        statuses: Iterable[str | enum.Enum] | None = None,
+        columns: Sequence[str] | None = None,
+    ) -> pa.Table:
+        """Training samples.
+
+        A sample matches the version range when all its turns do
+        (`min_policy_version >= policy_version_min`, `max_policy_version <=
+        policy_version_max`); `statuses` filters on `rollout_status`.
+        """
+        return self.read(
+            "samples",
+            policy_version_min=policy_version_min,
+            policy_version_max=policy_version_max,
+            statuses=statuses,
+            columns=columns,
+        )
+
+    def turns(
+        self,
+        policy_version_min: int | None = None,
+        policy_version_max: int | None = None,
+        statuses: Iterable[str | enum.Enum] | None = None,
+        columns: Sequence[str] | None = None,
+    ) -> pa.Table:
+        """Recorded turns, filtered on `policy_version` and the turn `status`."""
+        return self.read(
+            "turns",
+            policy_version_min=policy_version_min,
+            policy_version_max=policy_version_max,
+            statuses=statuses,
+            columns=columns,
+        )
+
+    def rollouts(
+        self,
+        policy_version_min: int | None = None,
+        policy_version_max: int | None = None,
+        statuses: Iterable[str | enum.Enum] | None = None,
+        columns: Sequence[str] | None = None,
+    ) -> pa.Table:
+        """Rollout summaries, filtered on their policy version range and `status`."""
+        return self.read(
+            "rollouts",
+            policy_version_min=policy_version_min,
+            policy_version_max=policy_version_max,
+            statuses=statuses,
+            columns=columns,
+        )
+
+    # ------------------------------------------------------------ iteration
+
+    def iter_batches(
+        self,
+        table: TableName,
+        batch_size: int,
+        *,
+        policy_version_min: int | None = None,
+        policy_version_max: int | None = None,
+        statuses: Iterable[str | enum.Enum] | None = None,
+        columns: Sequence[str] | None = None,
+    ) -> Iterator[pa.RecordBatch]:
+        """Matching rows in batches of exactly `batch_size` rows (the last may be short)."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, not {batch_size}")
+        expression = self._filter(table, policy_version_min, policy_version_max, statuses)
+        cols = list(columns) if columns is not None else None
+        pending: list[pa.RecordBatch] = []
+        pending_rows = 0
+        for batch in self.dataset(table).to_batches(
+            columns=cols, filter=expression, batch_size=batch_size
+        ):
+            if batch.num_rows == 0:
+                continue
+            pending.append(batch)
+            pending_rows += batch.num_rows
+            if pending_rows < batch_size:
+                continue
+            merged = pa.Table.from_batches(pending).combine_chunks()
+            start = 0
+            while merged.num_rows - start >= batch_size:
+                yield merged.slice(start, batch_size).to_batches()[0]
+                start += batch_size
+            rest = merged.slice(start)
+            pending = rest.to_batches() if rest.num_rows else []
+            pending_rows = rest.num_rows
+        if pending_rows:
+            yield pa.Table.from_batches(pending).combine_chunks().to_batches()[0]
+
+    def iter_sample_batches(
+        self,
+        batch_size: int,
+        policy_version_min: int | None = None,
+        policy_version_max: int | None = None,
+        statuses: Iterable[str | enum.Enum] | None = None,
+        columns: Sequence[str] | None = None,
+    ) -> Iterator[pa.RecordBatch]:
+        """Samples in record batches of `batch_size` rows, filtered as in `samples`."""
+        return self.iter_batches(
+            "samples",
+            batch_size,
+            policy_version_min=policy_version_min,
+            policy_version_max=policy_version_max,
+            statuses=statuses,
+            columns=columns,
+        )
+
+    def sample_arrays(
+        self,
+        policy_version_min: int | None = None,
+        policy_version_max: int | None = None,
+        statuses: Iterable[str | enum.Enum] | None = None,
+        batch_size: int = 1024,
+    ) -> Iterator[SampleArrays]:
+        """Each matching sample as numpy arrays plus its rewards and identifiers."""
+        for batch in self.iter_batches(
+            "samples",
+            batch_size,
+            policy_version_min=policy_version_min,
+            policy_version_max=policy_version_max,
+            statuses=statuses,
+            columns=_SAMPLE_ARRAY_COLUMNS,
+        ):
+            yield from _batch_arrays(batch)
+
+
+def _list_parts(
+    column: pa.Array, dtype: type[np.generic]
+) -> tuple[npt.NDArray[Any], npt.NDArray[np.int32]]:
+    """A list column's flat values and absolute offsets into them."""
+    assert isinstance(column, pa.ListArray)
+    values = np.asarray(column.values.to_numpy(zero_copy_only=False), dtype=dtype)
+    offsets = column.offsets.to_numpy()
+    return values, offsets
+
+
+def _batch_arrays(batch: pa.RecordBatch) -> Iterator[SampleArrays]:
+    ids, ids_off = _list_parts(batch.column("input_ids"), np.int32)
+    mask, mask_off = _list_parts(batch.column("loss_mask"), np.int8)
+    logp, logp_off = _list_parts(batch.column("behavior_logprobs"), np.float32)
+    vers, vers_off = _list_parts(batch.column("policy_versions"), np.int64)
+    rollout_ids = batch.column("rollout_id").to_pylist()
+    indices = batch.column("sample_index").to_pylist()
+    groups = batch.column("group_id").to_pylist()
+    tasks = batch.column("task_id").to_pylist()
+    statuses = batch.column("rollout_status").to_pylist()
+    rewards = batch.column("rewards").to_pylist()
+    reward = batch.column("reward").to_pylist()
+    for i in range(batch.num_rows):
+        yield SampleArrays(
+            rollout_id=rollout_ids[i],
+            sample_index=indices[i],
+            group_id=groups[i],
+            task_id=tasks[i],
+            rollout_status=statuses[i],
+            input_ids=ids[ids_off[i] : ids_off[i + 1]].copy(),
+            loss_mask=mask[mask_off[i] : mask_off[i + 1]].copy(),
+            behavior_logprobs=logp[logp_off[i] : logp_off[i + 1]].copy(),
+            rewards=rewards_dict(rewards[i]),
+            reward=reward[i],
+            policy_versions=vers[vers_off[i] : vers_off[i + 1]].copy(),
+        )
+
+
+def open_output(paths: str | Path | Sequence[str | Path]) -> ShardReader:
+    """Open one or more Turnstile output directories for reading."""
+    return ShardReader(paths)

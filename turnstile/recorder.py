@@ -1,0 +1,222 @@
+"""The recorder: moves finished turns and sealed rollouts off the request path.
+
+The event loop hands over work with `submit_turns` / `submit_seal`, which never block
+and never drop. A single writer thread then fills in retokenized IDs where a backend
+returned none, stitches sealed rollouts into samples and writes everything to the sink.
+Admission control happens before a request is sent to the backend (`admit`): when the
+backlog is full the client gets 503 with Retry-After, so nothing is ever accepted and
+then dropped. `stop` publishes everything received before returning.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import orjson
+
+from turnstile.errors import Overloaded
+from turnstile.limits import WRITER_TICK_S
+from turnstile.records import RolloutRecord, TokenSource, TurnRecord, TurnStatus
+from turnstile.shards import Sink
+from turnstile.stitch import RolloutInfo, stitch
+from turnstile.tokenizer import LocalTokenizer
+
+log = logging.getLogger("turnstile.recorder")
+
+# Retokenization warnings are logged in full this many times, then every Nth time.
+RETOKENIZE_WARN_FIRST = 10
+RETOKENIZE_WARN_EVERY = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class SealJob:
+    info: RolloutInfo
+    metadata_json: str | None
+    turns: list[TurnRecord]
+    num_calls: int
+    created_at: float
+    sealed_at: float
+
+
+@dataclass(slots=True)
+class RecorderStats:
+    turns_received: int = 0
+    turns_written: int = 0
+    samples_written: int = 0
+    rollouts_written: int = 0
+    retokenized_turns: int = 0
+    dropped: int = 0  # stays 0: work is refused up front, never dropped
+    breaks_by_kind: dict[str, int] = field(default_factory=dict)
+
+
+_STOP = object()
+
+
+class Recorder:
+    def __init__(
+        self,
+        sink: Sink,
+        *,
+        max_backlog: int,
+        tokenizer: LocalTokenizer | None = None,
+        tick_s: float = WRITER_TICK_S,
+    ) -> None:
+        self._sink = sink
+        self._max_backlog = max_backlog
+        self._tokenizer = tokenizer
+        self._tick_s = tick_s
+        self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._backlog = 0
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="turnstile-writer", daemon=True)
+        self.stats = RecorderStats()
+        self.error: str | None = None
+
+    # -- event-loop side -------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def backlog(self) -> int:
+        return self._backlog
+
+    @property
+    def healthy(self) -> bool:
+        return self.error is None and self._thread.is_alive()
+
+    def admit(self) -> None:
+        """Refuse new work (503) while the writer is behind or failing."""
+        if self.error is not None:
+            raise Overloaded(f"recording is failing: {self.error}", retry_after_s=5)
+        if self._backlog >= self._max_backlog:
+            raise Overloaded(
+                f"the recorder is {self._backlog} items behind; retry shortly", retry_after_s=1
+            )
+
+    def submit_turns(self, records: list[TurnRecord]) -> None:
+        with self._lock:
+            self._backlog += 1
+            self.stats.turns_received += len(records)
+        self._queue.put(records)
+
+    def submit_seal(self, job: SealJob) -> None:
+        with self._lock:
+            self._backlog += 1
+        self._queue.put(job)
+
+    def stop(self, timeout_s: float) -> bool:
+        """Publish everything received, then close the sink; False if it timed out."""
+        self._queue.put(_STOP)
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    # -- writer thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                try:
+                    item = self._queue.get(timeout=self._tick_s)
+                except queue.Empty:
+                    self._guard(self._sink.maybe_roll, time.time())
+                    continue
+                if item is _STOP:
+                    break
+                if isinstance(item, SealJob):
+                    self._guard(self._write_seal, item)
+                elif isinstance(item, list):
+                    self._guard(self._write_turns, item)
+                with self._lock:
+                    self._backlog -= 1
+                self._guard(self._sink.maybe_roll, time.time())
+        finally:
+            try:
+                self._sink.close()
+            except Exception as exc:
+                self.error = f"closing the sink failed: {exc}"
+                log.exception("closing the sink failed")
+
+    def _guard(self, fn: object, arg: object) -> None:
+        try:
+            fn(arg)  # type: ignore[operator]
+        except Exception as exc:
+            self.error = str(exc)
+            log.exception("recording failed")
+
+    def _write_turns(self, records: list[TurnRecord]) -> None:
+        for record in records:
+            if record.token_source is TokenSource.NONE and record.status is not TurnStatus.ERROR:
+                self._retokenize(record)
+        self._sink.write_turns(records)
+        self.stats.turns_written += len(records)
+
+    def _retokenize(self, record: TurnRecord) -> None:
+        tok = self._tokenizer
+        n = self.stats.retokenized_turns
+        if tok is None:
+            if n < RETOKENIZE_WARN_FIRST or n % RETOKENIZE_WARN_EVERY == 0:
+                log.warning(
+                    "backend returned no token IDs for turn %s of rollout %s and no "
+                    "--tokenizer is set: the turn is recorded without tokens",
+                    record.turn_index, record.rollout_id,
+                )
+            self.stats.retokenized_turns += 1
+            return
+        if record.request_messages_json is not None:
+            messages = orjson.loads(record.request_messages_json)
+            tools = orjson.loads(record.request_tools_json or "null")
+            prompt = tok.render_prompt(messages, tools)
+            reply = orjson.loads(record.response_message_json or "null") or {}
+            completion = tok.encode(reply.get("content") or "")
+        else:
+            prompt_value = orjson.loads(record.request_prompt_json or "null")
+            prompt = tok.encode(prompt_value) if isinstance(prompt_value, str) else []
+            completion = tok.encode(record.response_text or "")
+        record.prompt_token_ids = np.asarray(prompt, dtype=np.int32)
+        record.completion_token_ids = np.asarray(completion, dtype=np.int32)
+        if len(record.behavior_logprobs) != len(completion):
+            record.behavior_logprobs = np.full(len(completion), np.nan, dtype=np.float32)
+        record.token_source = TokenSource.RETOKENIZED
+        self.stats.retokenized_turns += 1
+        if n < RETOKENIZE_WARN_FIRST or n % RETOKENIZE_WARN_EVERY == 0:
+            log.warning(
+                "RETOKENIZED: backend returned no token IDs for turn %s of rollout %s; "
+                "Turnstile tokenized it with %s, which may differ from what the model saw "
+                "(%d such turns so far)",
+                record.turn_index, record.rollout_id, tok.path, n + 1,
+            )
+
+    def _write_seal(self, job: SealJob) -> None:
+        samples = stitch(job.info, job.turns, self._tokenizer)
+        breaks = 0
+        for sample in samples:
+            kind = sample.break_kind.value
+            if sample.parent_sample_index is not None:
+                breaks += 1
+                self.stats.breaks_by_kind[kind] = self.stats.breaks_by_kind.get(kind, 0) + 1
+        if samples:
+            self._sink.write_samples(samples)
+        self._sink.write_rollouts(
+            [
+                RolloutRecord(
+                    rollout_id=job.info.rollout_id,
+                    group_id=job.info.group_id,
+                    task_id=job.info.task_id,
+                    metadata_json=job.metadata_json,
+                    rewards=job.info.rewards,
+                    status=job.info.status,
+                    num_turns=job.num_calls,
+                    num_samples=len(samples),
+                    num_breaks=breaks,
+                    created_at=job.created_at,
+                    sealed_at=job.sealed_at,
+                    policy_versions=sorted({t.policy_version for t in job.turns}),
+                )
+            ]
+        )
+        self.stats.samples_written += len(samples)
+        self.stats.rollouts_written += 1

@@ -1,0 +1,162 @@
+"""The in-memory records that flow from the proxy to the shards.
+
+A `TurnRecord` is one backend call and one choice, exactly as the backend consumed and
+sampled it. A `SampleRecord` is a training sequence stitched from consecutive turns of a
+rollout. A `RolloutRecord` is the rollout's summary row. These are plain dataclasses so
+that the proxy, the stitcher and the shard writer share one vocabulary; the Parquet
+schema (`turnstile.schema`) maps them onto columns.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+Int32Array = npt.NDArray[np.int32]
+Float32Array = npt.NDArray[np.float32]
+Int8Array = npt.NDArray[np.int8]
+
+
+class TurnStatus(enum.StrEnum):
+    """How a backend call ended."""
+
+    OK = "ok"
+    ABORTED = "aborted"  # the stream was cut (backend died, client left, shutdown)
+    ERROR = "error"  # the backend refused or could not be reached
+
+
+class TokenSource(enum.StrEnum):
+    """Where a turn's token IDs came from."""
+
+    BACKEND = "backend"  # the backend returned the IDs it consumed and sampled
+    RETOKENIZED = "retokenized"  # Turnstile tokenized text itself: not exact
+    NONE = "none"  # no IDs at all (error before any token, or no tokenizer)
+
+
+class RolloutStatus(enum.StrEnum):
+    """Life cycle of a rollout."""
+
+    OPEN = "open"
+    FINISHED = "finished"  # sealed by POST /rollouts/{id}/finish
+    ABANDONED = "abandoned"  # sealed by the idle timeout
+    INTERRUPTED = "interrupted"  # sealed at shutdown while still open
+
+
+class BreakKind(enum.StrEnum):
+    """Why a new training sample starts inside a rollout."""
+
+    FIRST = "first"  # the rollout's first sample: no break
+    HISTORY_REWRITTEN = "history_rewritten"  # messages do not extend the previous turn's
+    RERENDER = "rerender"  # same messages, but the re-rendered text differs
+    TOKENIZATION = "tokenization"  # same text, different token IDs
+    TRUNCATED = "truncated"  # the new prompt is shorter than the previous context
+    TOKEN_SOURCE = "token_source"  # a side has no exact IDs (retokenized or missing)
+    BRANCH = "branch"  # a sibling choice (n > 1) or a turn that continues no chain
+    UNCLASSIFIED = "unclassified"  # a token mismatch with no tokenizer to classify it
+
+
+@dataclass(frozen=True, slots=True)
+class Timings:
+    """Seconds measured by the proxy for one backend call."""
+
+    received_at: float  # unix time the request reached Turnstile
+    queue_s: float  # from receipt until the upstream request was sent
+    ttft_s: float | None  # from receipt until the first completion byte (None: none)
+    total_s: float  # from receipt until the turn ended
+
+
+@dataclass(slots=True)
+class TurnRecord:
+    """One backend call and one of its choices, as recorded."""
+
+    turn_id: str  # unique per backend call; choices of one call share it
+    rollout_id: str
+    turn_index: int  # order of the call within the rollout
+    choice_index: int
+    endpoint: str  # "chat.completions" or "completions"
+    model: str
+    policy_version: int
+    status: TurnStatus
+    token_source: TokenSource
+    prompt_token_ids: Int32Array
+    completion_token_ids: Int32Array
+    behavior_logprobs: Float32Array  # one per completion token (NaN where unknown)
+    finish_reason: str | None
+    stop_reason: str | None
+    request_messages_json: str | None  # chat: the request's messages
+    request_tools_json: str | None
+    request_prompt_json: str | None  # completions: the request's prompt
+    response_message_json: str | None  # chat: content, reasoning, tool_calls
+    response_text: str | None  # completions: the sampled text
+    sampling_params_json: str
+    timings: Timings
+    http_status: int
+    error: str | None = None
+    group_id: str | None = None
+    # top-k alternatives per completion token, when configured
+    top_logprob_ids: list[list[int]] | None = None
+    top_logprob_values: list[list[float]] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TurnSpan:
+    """Where one turn sits inside a stitched sample's `input_ids`."""
+
+    turn_index: int
+    choice_index: int
+    prompt_start: int  # first token of this turn's new prompt tokens
+    completion_start: int
+    completion_end: int  # exclusive
+
+
+@dataclass(frozen=True, slots=True)
+class Reward:
+    """One named reward, with optional verifier information (text or JSON text)."""
+
+    name: str
+    value: float
+    info: str | None = None
+
+
+@dataclass(slots=True)
+class SampleRecord:
+    """A training sequence stitched from consecutive turns of one rollout."""
+
+    rollout_id: str
+    sample_index: int
+    group_id: str | None
+    task_id: str | None
+    input_ids: Int32Array
+    loss_mask: Int8Array  # 1 exactly on sampled tokens
+    behavior_logprobs: Float32Array  # aligned with input_ids, NaN where loss_mask == 0
+    turn_spans: list[TurnSpan]
+    rewards: list[Reward]
+    policy_versions: list[int]  # one per turn in the sample
+    token_source: TokenSource
+    rollout_status: RolloutStatus
+    break_kind: BreakKind  # why this sample starts (FIRST for the first)
+    break_position: int | None  # index of the first mismatching token, if any
+    break_detail: str | None
+    parent_sample_index: int | None  # the sample this one breaks away from
+    turn_statuses: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class RolloutRecord:
+    """One row per sealed rollout."""
+
+    rollout_id: str
+    group_id: str | None
+    task_id: str | None
+    metadata_json: str | None
+    rewards: list[Reward]
+    status: RolloutStatus
+    num_turns: int
+    num_samples: int
+    num_breaks: int
+    created_at: float
+    sealed_at: float
+    policy_versions: list[int]

@@ -1,0 +1,325 @@
+"""HTTP routes: the OpenAI-compatible surface, the rollout API and admin endpoints.
+
+Completion routes exist at `/v1/...` and under a rollout prefix
+`/rollouts/{rollout_id}/v1/...`; a rollout may also be named by the
+`X-Turnstile-Rollout` header. Other `/v1/*` paths and the vLLM helpers (`/tokenize`,
+`/detokenize`, `/version`) pass through to the backend. Errors are OpenAI-style bodies
+with the status of the `turnstile.errors` class that was raised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.responses import JSONResponse, Response
+from starlette.types import Message, Receive, Scope, Send
+
+from turnstile.capture import CHAT, COMPLETIONS
+from turnstile.errors import (
+    BadRequest,
+    NotFound,
+    PayloadTooLarge,
+    TurnstileError,
+    Unprocessable,
+)
+from turnstile.proxy import Proxy, Relay, StreamRelay
+from turnstile.rollouts import check_rollout_id
+
+log = logging.getLogger("turnstile.routes")
+
+ROLLOUT_HEADER = "x-turnstile-rollout"
+POLICY_HEADER = "x-turnstile-policy-version"
+# The vLLM routes outside /v1 that a harness or trainer may call through the proxy.
+PASSTHROUGH_EXTRA = ("/tokenize", "/detokenize", "/version")
+
+
+class StreamingRelayResponse(Response):
+    """Relays an async byte iterator, cancelling it as soon as the client disconnects.
+
+    The iterator is closed explicitly in every case, so the proxy's `finally` records the
+    turn and closes the upstream connection (which cancels the request in the backend).
+    """
+
+    def __init__(self, relay: StreamRelay) -> None:
+        # Not Response.__init__: that renders an empty body and sets Content-Length: 0.
+        self.status_code = relay.status
+        self.media_type = relay.content_type
+        self.background = None
+        headers = {"Content-Type": relay.content_type, **relay.headers}
+        if relay.content_type.startswith("text/event-stream"):
+            headers.setdefault("Cache-Control", "no-cache")
+            headers["X-Accel-Buffering"] = "no"
+        self.init_headers(headers)
+        self._chunks = relay.chunks
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        sender = asyncio.ensure_future(self._send_all(send))
+        watcher = asyncio.ensure_future(_wait_disconnect(receive))
+        try:
+            done, _ = await asyncio.wait({sender, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if sender not in done:
+                sender.cancel()
+            with contextlib.suppress(asyncio.CancelledError, OSError):
+                await sender
+        finally:
+            watcher.cancel()
+            aclose = getattr(self._chunks, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(Exception):
+                    await aclose()
+
+    async def _send_all(self, send: Send) -> None:
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        )
+        async for chunk in self._chunks:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while True:
+        message: Message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def error_response(exc: TurnstileError) -> Response:
+    return Response(
+        exc.body_bytes(),
+        status_code=exc.status,
+        media_type=getattr(exc, "content_type", "application/json"),
+        headers=exc.headers(),
+    )
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 before more than `limit` bytes are buffered."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            size = int(declared)
+        except ValueError:
+            raise BadRequest("invalid Content-Length header") from None
+        if size > limit:
+            raise PayloadTooLarge(f"request body of {size} bytes exceeds the limit of {limit}")
+    parts: list[bytes] = []
+    total = 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > limit:
+            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def _policy_header(request: Request) -> int | None:
+    value = request.headers.get(POLICY_HEADER)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise BadRequest(f"{POLICY_HEADER} must be an integer, got {value!r}") from None
+
+
+def _respond(result: Relay | StreamRelay) -> Response:
+    if isinstance(result, StreamRelay):
+        return StreamingRelayResponse(result)
+    return Response(
+        result.body,
+        status_code=result.status,
+        media_type=result.content_type,
+        headers=dict(result.headers),
+    )
+
+
+# -- request bodies of the rollout API -------------------------------------------------
+class CreateRollout(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    rollout_id: str | None = Field(default=None, description="choose the id (default: random)")
+    group_id: str | None = Field(default=None, description="GRPO group this rollout belongs to")
+    task_id: str | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class PostRewards(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    rewards: dict[str, float] = Field(default_factory=dict, description="name -> value")
+    info: dict[str, Any] = Field(
+        default_factory=dict, description="name -> verifier information (text or JSON)"
+    )
+
+
+class FinishRollout(PostRewards):
+    pass
+
+
+class PolicyVersion(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    policy_version: int
+
+
+def _info_text(info: dict[str, Any]) -> dict[str, str | None]:
+    return {
+        k: (v if isinstance(v, str) or v is None else orjson.dumps(v).decode())
+        for k, v in info.items()
+    }
+
+
+def build_router(proxy: Proxy, max_body: int) -> APIRouter:
+    router = APIRouter()
+
+    async def completion(request: Request, endpoint: str, rollout_id: str | None) -> Response:
+        rid = rollout_id or request.headers.get(ROLLOUT_HEADER)
+        if rid is not None:
+            check_rollout_id(rid)
+        raw = await read_body(request, max_body)
+        result = await proxy.complete(
+            endpoint, raw, rollout_id=rid, policy_version=_policy_header(request)
+        )
+        return _respond(result)
+
+    @router.post("/v1/chat/completions", tags=["openai"])
+    async def chat(request: Request) -> Response:
+        return await completion(request, CHAT, None)
+
+    @router.post("/v1/completions", tags=["openai"])
+    async def completions(request: Request) -> Response:
+        return await completion(request, COMPLETIONS, None)
+
+    @router.post("/rollouts/{rollout_id}/v1/chat/completions", tags=["openai"])
+    async def rollout_chat(request: Request, rollout_id: str) -> Response:
+        return await completion(request, CHAT, rollout_id)
+
+    @router.post("/rollouts/{rollout_id}/v1/completions", tags=["openai"])
+    async def rollout_completions(request: Request, rollout_id: str) -> Response:
+        return await completion(request, COMPLETIONS, rollout_id)
+
+    @router.get("/health", tags=["admin"])
+    async def health() -> Response:
+        recorder = proxy.recorder
+        ok = recorder.healthy and not proxy.draining
+        body = {
+            "status": "ok" if ok else ("draining" if proxy.draining else "unhealthy"),
+            "recorder": {"healthy": recorder.healthy, "error": recorder.error,
+                         "backlog": recorder.backlog},
+            "open_rollouts": proxy.registry.open_count,
+        }
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @router.get("/stats", tags=["admin"])
+    async def stats() -> dict[str, Any]:
+        s = proxy.recorder.stats
+        return {
+            "turns_received": s.turns_received,
+            "turns_written": s.turns_written,
+            "samples_written": s.samples_written,
+            "rollouts_written": s.rollouts_written,
+            "retokenized_turns": s.retokenized_turns,
+            "dropped": s.dropped,
+            "breaks_by_kind": dict(s.breaks_by_kind),
+            "open_rollouts": proxy.registry.open_count,
+            "in_flight": proxy.in_flight,
+            "backlog": proxy.recorder.backlog,
+            "policy_version": proxy.policy_version,
+        }
+
+    @router.post("/rollouts", status_code=201, tags=["rollouts"])
+    async def create_rollout(request: Request, body: CreateRollout | None = None) -> Any:
+        body = body or CreateRollout()
+        rollout = proxy.registry.create(
+            body.rollout_id, group_id=body.group_id, task_id=body.task_id, metadata=body.metadata
+        )
+        base = str(request.base_url).rstrip("/")
+        out = rollout.summary()
+        out["base_url"] = f"{base}/rollouts/{rollout.rollout_id}/v1"
+        return out
+
+    @router.get("/rollouts/{rollout_id}", tags=["rollouts"])
+    async def get_rollout(rollout_id: str) -> Any:
+        return proxy.registry.get(check_rollout_id(rollout_id)).summary()
+
+    @router.post("/rollouts/{rollout_id}/rewards", tags=["rollouts"])
+    async def post_rewards(rollout_id: str, body: PostRewards) -> Any:
+        if not body.rewards and not body.info:
+            raise Unprocessable("give at least one reward in 'rewards'", param="rewards")
+        rollout = proxy.registry.add_rewards(
+            check_rollout_id(rollout_id), body.rewards, _info_text(body.info)
+        )
+        return rollout.summary()
+
+    @router.post("/rollouts/{rollout_id}/finish", tags=["rollouts"])
+    async def finish_rollout(rollout_id: str, body: FinishRollout | None = None) -> Any:
+        rid = check_rollout_id(rollout_id)
+        if body is not None and (body.rewards or body.info):
+            proxy.registry.add_rewards(rid, body.rewards, _info_text(body.info))
+        return proxy.registry.finish(rid).summary()
+
+    @router.get("/admin/policy_version", tags=["admin"])
+    async def get_policy_version() -> dict[str, int]:
+        return {"policy_version": proxy.policy_version}
+
+    @router.post("/admin/policy_version", tags=["admin"])
+    async def set_policy_version(body: PolicyVersion) -> dict[str, int]:
+        proxy.policy_version = body.policy_version
+        log.info("policy version set to %d", body.policy_version)
+        return {"policy_version": proxy.policy_version}
+
+    async def passthrough(request: Request) -> Response:
+        body = await read_body(request, max_body) if request.method != "GET" else None
+        path = request.url.path
+        if request.url.query:
+            path += "?" + request.url.query
+        result = await proxy.passthrough(
+            request.method, path, body, request.headers.get("content-type")
+        )
+        return StreamingRelayResponse(result)
+
+    router.add_api_route(
+        "/v1/{rest:path}", passthrough, methods=["GET", "POST", "DELETE"], tags=["openai"],
+        include_in_schema=True,
+    )
+    for extra in PASSTHROUGH_EXTRA:
+        router.add_api_route(extra, passthrough, methods=["GET", "POST"], tags=["vllm"])
+    return router
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(TurnstileError)
+    async def _turnstile_error(request: Request, exc: TurnstileError) -> Response:
+        if exc.status >= 500:
+            log.warning("%s %s -> %d: %s", request.method, request.url.path, exc.status,
+                        exc.message)
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors()
+        )
+        return error_response(Unprocessable(f"invalid request: {problems}"))
+
+    @app.exception_handler(404)
+    async def _not_found(request: Request, exc: Exception) -> Response:
+        return error_response(NotFound(f"no route {request.method} {request.url.path}"))
+
+    @app.exception_handler(405)
+    async def _not_allowed(request: Request, exc: Exception) -> Response:
+        err = TurnstileError(f"method {request.method} not allowed on {request.url.path}")
+        err.status = 405
+        err.error_type = "invalid_request_error"
+        return error_response(err)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> Response:
+        log.exception("unexpected error on %s %s", request.method, request.url.path)
+        return error_response(TurnstileError("internal error in Turnstile"))
+

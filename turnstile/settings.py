@@ -1,0 +1,142 @@
+"""Settings: one frozen object built at start-up from defaults, a YAML file,
+`TURNSTILE_*` environment variables and command-line flags, in that order of precedence
+(flags win).
+
+Secrets are never values here: a setting ending in `_env` names the environment
+variable that holds the secret, and `resolve_secret` reads it when needed.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from turnstile import limits
+
+ENV_PREFIX = "TURNSTILE_"
+
+
+class SettingsError(Exception):
+    """The configuration is invalid; the message says which setting and why."""
+
+
+class Settings(BaseModel):
+    """Everything Turnstile's server needs, frozen once built."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    backends: tuple[str, ...] = Field(default=("http://127.0.0.1:8000",), min_length=1)
+    backend_api_key_env: str | None = None
+    output: Path = Path("turnstile-output")
+    host: str = "127.0.0.1"
+    port: int = Field(default=8100, ge=0, le=65535)
+    tokenizer: Path | None = None
+    mode: Literal["record"] = "record"
+    top_logprobs: int = Field(default=0, ge=0, le=20)
+    policy_version: int = 0
+    writer_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    connect_timeout_s: float = Field(default=limits.CONNECT_TIMEOUT_S, gt=0)
+    first_byte_timeout_s: float = Field(default=limits.FIRST_BYTE_TIMEOUT_S, gt=0)
+    idle_timeout_s: float = Field(default=limits.IDLE_TIMEOUT_S, gt=0)
+    total_timeout_s: float = Field(default=limits.TOTAL_TIMEOUT_S, gt=0)
+    max_request_body_bytes: int = Field(default=limits.MAX_REQUEST_BODY_BYTES, gt=0)
+    backend_pool_size: int = Field(default=limits.BACKEND_POOL_SIZE, gt=0)
+
+    recorder_queue_size: int = Field(default=limits.RECORDER_QUEUE_SIZE, gt=0)
+    shard_max_rows: int = Field(default=limits.SHARD_MAX_ROWS, gt=0)
+    shard_max_age_s: float = Field(default=limits.SHARD_MAX_AGE_S, gt=0)
+    rollout_idle_timeout_s: float = Field(default=limits.ROLLOUT_IDLE_TIMEOUT_S, gt=0)
+    drain_timeout_s: float = Field(default=limits.DRAIN_TIMEOUT_S, ge=0)
+
+    @field_validator("backends", mode="before")
+    @classmethod
+    def _split_backends(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v.strip()]
+        return value
+
+    @field_validator("backends")
+    @classmethod
+    def _check_backends(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        checked = []
+        for url in value:
+            url = url.strip().rstrip("/")
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"backend URL must start with http:// or https://: {url!r}")
+            checked.append(url)
+        return tuple(checked)
+
+    @property
+    def backend(self) -> str:
+        """The backend that requests go to (several backends come with routing)."""
+        return self.backends[0]
+
+    def public_dict(self) -> dict[str, Any]:
+        """The settings as logged at start-up: secrets are only ever env-var names."""
+        return self.model_dump(mode="json")
+
+
+def resolve_secret(env_name: str | None) -> str | None:
+    """Read a secret from the environment variable a setting names."""
+    if env_name is None:
+        return None
+    value = os.environ.get(env_name)
+    if value is None:
+        raise SettingsError(f"environment variable {env_name} (a configured secret) is not set")
+    if not value:
+        raise SettingsError(f"environment variable {env_name} (a configured secret) is empty")
+    return value
+
+
+def _from_yaml(path: Path) -> dict[str, Any]:
+    try:
+        loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise SettingsError(f"cannot read config file {path}: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise SettingsError(f"config file {path} is not valid YAML: {exc}") from exc
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise SettingsError(f"config file {path} must hold a mapping of settings")
+    return {str(k).replace("-", "_"): v for k, v in loaded.items()}
+
+
+def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
+    fields = Settings.model_fields
+    out: dict[str, Any] = {}
+    for key, value in environ.items():
+        if not key.startswith(ENV_PREFIX):
+            continue
+        name = key[len(ENV_PREFIX) :].lower()
+        if name in fields:
+            out[name] = value
+    return out
+
+
+def load_settings(
+    config_file: Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Settings:
+    """Build the frozen settings: defaults < YAML file < TURNSTILE_* env < overrides."""
+    merged: dict[str, Any] = {}
+    if config_file is not None:
+        merged.update(_from_yaml(config_file))
+    merged.update(_from_env(os.environ if environ is None else environ))
+    merged.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    try:
+        return Settings(**merged)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()
+        )
+        raise SettingsError(f"invalid settings: {problems}") from exc

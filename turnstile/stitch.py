@@ -1,0 +1,249 @@
+"""Stitching a sealed rollout's turns into training samples.
+
+Turns are taken in order. A turn extends an existing sample when its prompt starts,
+token for token, with that sample's whole context (previous prompt + sampled
+completion): the token-in-token-out property. The new prompt tokens get loss mask 0
+and the sampled tokens loss mask 1 with their behaviour logprobs. Where no sample's
+context is a prefix of the prompt, a new sample starts and the break is recorded: the
+position of the first mismatching token and its kind (see `BreakKind`). Nothing is ever
+merged through a mismatch, and turns without exact backend token IDs never merge.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import orjson
+
+from turnstile.records import (
+    BreakKind,
+    Reward,
+    RolloutStatus,
+    SampleRecord,
+    TokenSource,
+    TurnRecord,
+    TurnSpan,
+    TurnStatus,
+)
+
+# Tokens of context shown on each side of a break in `break_detail`.
+BREAK_CONTEXT_TOKENS = 4
+
+
+class Detokenizer(Protocol):
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+@dataclass(slots=True)
+class _Chain:
+    index: int
+    ids: list[np.ndarray] = field(default_factory=list)
+    mask: list[np.ndarray] = field(default_factory=list)
+    logprobs: list[np.ndarray] = field(default_factory=list)
+    spans: list[TurnSpan] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    statuses: list[str] = field(default_factory=list)
+    length: int = 0
+    context: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    last: TurnRecord | None = None
+    break_kind: BreakKind = BreakKind.FIRST
+    break_position: int | None = None
+    break_detail: str | None = None
+    parent: int | None = None
+    exact: bool = True
+
+    def append(self, turn: TurnRecord) -> None:
+        prompt = turn.prompt_token_ids
+        new_prompt = prompt[self.length :] if self.length else prompt
+        completion = turn.completion_token_ids
+        sampled = turn.status is TurnStatus.OK
+        start = self.length
+        self.ids += [new_prompt, completion]
+        self.mask += [
+            np.zeros(len(new_prompt), dtype=np.int8),
+            np.full(len(completion), 1 if sampled else 0, dtype=np.int8),
+        ]
+        completion_lp = (
+            turn.behavior_logprobs
+            if sampled
+            else np.full(len(completion), np.nan, dtype=np.float32)
+        )
+        self.logprobs += [np.full(len(new_prompt), np.nan, dtype=np.float32), completion_lp]
+        completion_start = start + len(new_prompt)
+        self.length = completion_start + len(completion)
+        self.spans.append(
+            TurnSpan(turn.turn_index, turn.choice_index, start, completion_start, self.length)
+        )
+        self.versions.append(turn.policy_version)
+        self.statuses.append(turn.status.value)
+        self.context = np.concatenate([prompt, completion]).astype(np.int32, copy=False)
+        self.last = turn
+        self.exact = self.exact and turn.token_source is TokenSource.BACKEND
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.nonzero(a[:n] != b[:n])[0]
+    return int(diff[0]) if len(diff) else n
+
+
+def _canon(value: Any) -> bytes:
+    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+
+
+def _same_tool_calls(a: Any, b: Any) -> bool:
+    a_calls, b_calls = a or [], b or []
+    if len(a_calls) != len(b_calls):
+        return False
+    for x, y in zip(a_calls, b_calls, strict=True):
+        fx, fy = (x or {}).get("function") or {}, (y or {}).get("function") or {}
+        if fx.get("name") != fy.get("name"):
+            return False
+        args_x, args_y = fx.get("arguments"), fy.get("arguments")
+        if args_x != args_y:
+            try:
+                if orjson.loads(args_x or "null") != orjson.loads(args_y or "null"):
+                    return False
+            except (orjson.JSONDecodeError, TypeError):
+                return False
+    return True
+
+
+def messages_extend(previous: TurnRecord, turn: TurnRecord) -> bool | None:
+    """Whether `turn`'s messages are `previous`'s plus the assistant reply it got.
+
+    None when the turns are not chat turns (nothing to compare).
+    """
+    if previous.request_messages_json is None or turn.request_messages_json is None:
+        return None
+    before = orjson.loads(previous.request_messages_json)
+    after = orjson.loads(turn.request_messages_json)
+    if not isinstance(before, list) or not isinstance(after, list):
+        return None
+    if len(after) <= len(before):
+        return False
+    if any(_canon(x) != _canon(y) for x, y in zip(before, after[: len(before)], strict=True)):
+        return False
+    reply = orjson.loads(previous.response_message_json or "null") or {}
+    sent = after[len(before)]
+    if not isinstance(sent, dict) or sent.get("role") != "assistant":
+        return False
+    if (sent.get("content") or None) != (reply.get("content") or None):
+        return False
+    return _same_tool_calls(sent.get("tool_calls"), reply.get("tool_calls"))
+
+
+def _snippet(ids: np.ndarray, pos: int, tok: Detokenizer | None) -> str:
+    lo, hi = max(0, pos - BREAK_CONTEXT_TOKENS), pos + BREAK_CONTEXT_TOKENS
+    window = [int(i) for i in ids[lo:hi]]
+    if tok is None:
+        return str(window)
+    return f"{window} {tok.decode(window)!r}"
+
+
+def classify_break(
+    chain: _Chain, turn: TurnRecord, tok: Detokenizer | None
+) -> tuple[BreakKind, int, str]:
+    """Why `turn` cannot extend `chain`: kind, first mismatching position, detail."""
+    prev = chain.last
+    assert prev is not None
+    context, prompt = chain.context, turn.prompt_token_ids
+    pos = _common_prefix(context, prompt)
+    detail = (
+        f"context {_snippet(context, pos, tok)} vs prompt {_snippet(prompt, pos, tok)} "
+        f"at token {pos}"
+    )
+    if prev.turn_id == turn.turn_id:
+        return BreakKind.BRANCH, pos, f"sibling choice {turn.choice_index} of the same call"
+    if not chain.exact or turn.token_source is not TokenSource.BACKEND:
+        return BreakKind.TOKEN_SOURCE, pos, "a side has no exact backend token IDs; " + detail
+    extends = messages_extend(prev, turn)
+    if extends is False:
+        why = "messages do not extend the previous turn; "
+        return BreakKind.HISTORY_REWRITTEN, pos, why + detail
+    if pos == len(prompt) and len(prompt) < len(context):
+        why = "the prompt is shorter than the previous context; "
+        return BreakKind.TRUNCATED, pos, why + detail
+    if tok is None:
+        return BreakKind.UNCLASSIFIED, pos, detail
+    context_text = tok.decode([int(i) for i in context])
+    prompt_text = tok.decode([int(i) for i in prompt])
+    if prompt_text.startswith(context_text):
+        return BreakKind.TOKENIZATION, pos, "same text, different token IDs; " + detail
+    return BreakKind.RERENDER, pos, "the re-rendered text differs; " + detail
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutInfo:
+    rollout_id: str
+    group_id: str | None
+    task_id: str | None
+    status: RolloutStatus
+    rewards: list[Reward]
+
+
+def stitch(
+    info: RolloutInfo, turns: Sequence[TurnRecord], tok: Detokenizer | None = None
+) -> list[SampleRecord]:
+    """Turn a sealed rollout's turns into samples, never merging through a mismatch."""
+    ordered = sorted(turns, key=lambda t: (t.turn_index, t.choice_index))
+    chains: list[_Chain] = []
+    for turn in ordered:
+        if turn.status is TurnStatus.ERROR or len(turn.prompt_token_ids) == 0:
+            continue
+        exact = turn.token_source is TokenSource.BACKEND
+        best: _Chain | None = None
+        for chain in chains:
+            if not (chain.exact and exact) or chain.last is None:
+                continue
+            if chain.last.turn_id == turn.turn_id:
+                continue
+            n = chain.length
+            if n <= len(turn.prompt_token_ids) and np.array_equal(
+                chain.context, turn.prompt_token_ids[:n]
+            ) and (best is None or n > best.length):
+                best = chain
+        if best is not None:
+            best.append(turn)
+            continue
+        new = _Chain(index=len(chains))
+        if chains:
+            parent = max(
+                chains,
+                key=lambda c: (_common_prefix(c.context, turn.prompt_token_ids), c.length),
+            )
+            new.break_kind, new.break_position, new.break_detail = classify_break(
+                parent, turn, tok
+            )
+            new.parent = parent.index
+        new.exact = exact
+        new.append(turn)
+        chains.append(new)
+    return [_to_sample(info, c) for c in chains]
+
+
+def _to_sample(info: RolloutInfo, chain: _Chain) -> SampleRecord:
+    return SampleRecord(
+        rollout_id=info.rollout_id,
+        sample_index=chain.index,
+        group_id=info.group_id,
+        task_id=info.task_id,
+        input_ids=np.concatenate(chain.ids).astype(np.int32, copy=False),
+        loss_mask=np.concatenate(chain.mask).astype(np.int8, copy=False),
+        behavior_logprobs=np.concatenate(chain.logprobs).astype(np.float32, copy=False),
+        turn_spans=chain.spans,
+        rewards=info.rewards,
+        policy_versions=chain.versions,
+        token_source=TokenSource.BACKEND if chain.exact else TokenSource.RETOKENIZED,
+        rollout_status=info.status,
+        break_kind=chain.break_kind,
+        break_position=chain.break_position,
+        break_detail=chain.break_detail,
+        parent_sample_index=chain.parent,
+        turn_statuses=chain.statuses,
+    )
