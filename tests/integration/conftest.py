@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest

@@ -196,7 +196,7 @@ def test_history_rewrite_is_split_not_merged(make_app: MakeApp) -> None:
             "/v1/chat/completions", json={"model": "m", "messages": edited}, headers=headers
         )
         client.post("/rollouts/hdr-1/finish")
-    first, second = h.sink.samples
+    _first, second = h.sink.samples
     assert second.break_kind is BreakKind.HISTORY_REWRITTEN
     assert second.parent_sample_index == 0 and second.break_position is not None
     assert h.sink.rollouts[0].num_breaks == 1
