@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from turnstile import __version__
-from turnstile.settings import Settings, SettingsError, load_settings
+from turnstile.settings import SettingsError, load_settings
 
 log = logging.getLogger("turnstile")
 
@@ -63,30 +63,12 @@ def _setup_logging(level: str) -> None:
     )
 
 
-def run_server(settings: Settings) -> None:
-    """Serve until SIGINT/SIGTERM; everything received is published before returning."""
-    import uvicorn
-
-    from turnstile.app import create_app
-
-    app = create_app(settings)
-    config = uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
-        access_log=False,
-        timeout_graceful_shutdown=int(settings.drain_timeout_s) or None,
-        loop="auto",
-        http="auto",
-    )
-    uvicorn.Server(config).run()
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     settings = load_settings(args.config, _overrides(args))
     _setup_logging(settings.log_level)
     log.info("settings: %s", settings.public_dict())
+    from turnstile.server import run_server
+
     run_server(settings)
     return 0
 
@@ -117,6 +99,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
             "'tiny-qwen3'); shards go to %s",
             settings.port, settings.output,
         )
+        from turnstile.server import run_server
+
         run_server(settings)
     finally:
         server.stop()

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -268,3 +271,57 @@ def test_completions_with_token_prompt(turnstile: Turnstile, vllm_server: Any) -
     assert choice.logprobs is not None
     assert np.array_equal(np.asarray(turn["behavior_logprobs"], np.float32),
                           np.asarray(choice.logprobs.token_logprobs, np.float32))
+
+
+def test_openai_client_sees_what_vllm_returns(turnstile: Turnstile, vllm_server: Any) -> None:
+    kwargs: dict[str, Any] = dict(
+        model=MODEL, messages=[{"role": "user", "content": "Name a colour"}],
+        max_tokens=MAX_TOKENS, seed=SEED, tools=TOOLS,
+    )
+    via = openai.OpenAI(base_url=turnstile.url + "/v1", api_key="x", max_retries=0)
+    direct = openai.OpenAI(base_url=vllm_server.base_url + "/v1", api_key="x", max_retries=0)
+    a = via.chat.completions.create(**kwargs).model_dump()
+    b = direct.chat.completions.create(**kwargs).model_dump()
+    assert _strip_volatile(a) == _strip_volatile(b)
+    sa = [c.model_dump() for c in via.chat.completions.create(stream=True, **kwargs)]
+    sb = [c.model_dump() for c in direct.chat.completions.create(stream=True, **kwargs)]
+    assert _text(sa) == _text(sb) and _finish(sa) == _finish(sb)
+    assert _shapes(sa) == _shapes(sb)
+
+
+def test_serve_command_publishes_everything_on_sigterm(
+    vllm_server: Any, qwen3_tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "shards"
+    cmd = [sys.executable, "-m", "turnstile", "serve", "--backend", vllm_server.base_url,
+           "--output", str(out), "--port", str(port), "--tokenizer", str(qwen3_tokenizer_dir)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, "serve did not start"
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=url + "/rollouts/left-open/v1", api_key="x")
+        for _ in range(2):
+            client.chat.completions.create(model=MODEL, max_tokens=MAX_TOKENS,
+                                           messages=[{"role": "user", "content": "hi"}])
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, output
+    reader = open_output(out)
+    assert len(reader.turns().to_pylist()) == 2
+    (rollout,) = reader.rollouts().to_pylist()
+    assert rollout["rollout_id"] == "left-open" and rollout["status"] == "interrupted"
+    assert not list((out / ".tmp").glob("*")), "a staged file was left behind"
+    meta = reader.metadata("turns")[0]
+    assert meta["turnstile.schema_version"] == "1" and MODEL in meta["turnstile.model"]
