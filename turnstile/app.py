@@ -17,12 +17,13 @@ import orjson
 from fastapi import FastAPI
 
 from turnstile import __version__
+from turnstile.auth import AuthMiddleware
 from turnstile.backend import AiohttpBackend, Backend, Timeouts
 from turnstile.errors import TurnstileError
 from turnstile.limits import ROLLOUT_SWEEP_INTERVAL_S, WRITER_JOIN_TIMEOUT_S
 from turnstile.proxy import Proxy
 from turnstile.recorder import Recorder
-from turnstile.routes import build_router, install_error_handlers
+from turnstile.routes import add_routes, install_error_handlers
 from turnstile.settings import Settings, resolve_secret
 from turnstile.shards import ParquetShardSink, Sink
 from turnstile.tokenizer import LocalTokenizer
@@ -121,8 +122,13 @@ def create_app(
         lifespan=lifespan,
     )
     app.state.proxy = proxy
+    client_keys = [k for k in map(resolve_secret, settings.api_key_env) if k]
+    admin_key = resolve_secret(settings.admin_api_key_env)
+    app.add_middleware(
+        AuthMiddleware, client_keys=client_keys, admin_keys=[admin_key] if admin_key else []
+    )
     install_error_handlers(app)
-    app.include_router(build_router(proxy, settings.max_request_body_bytes))
+    add_routes(app.router, proxy, settings.max_request_body_bytes)
     return app
 
 

@@ -36,6 +36,15 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
         "--backend-api-key-env", metavar="NAME",
         help="name of the environment variable holding the backend's API key",
     )
+    p.add_argument(
+        "--api-key-env", action="append", metavar="NAME",
+        help="environment variable holding a client API key (repeat for several keys); "
+        "required to bind a non-loopback address",
+    )
+    p.add_argument(
+        "--admin-api-key-env", metavar="NAME",
+        help="environment variable holding the admin key for /admin/* and rewards",
+    )
     p.add_argument("--writer-id", help="unique id of this process in shard names")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
 
@@ -51,6 +60,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         "policy_version": args.policy_version,
         "backend_api_key_env": args.backend_api_key_env,
         "writer_id": args.writer_id,
+        "api_key_env": args.api_key_env,
+        "admin_api_key_env": args.admin_api_key_env,
         "log_level": args.log_level,
     }
 

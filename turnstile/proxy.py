@@ -32,6 +32,7 @@ from turnstile.errors import (
 )
 from turnstile.recorder import Recorder, SealJob
 from turnstile.records import Timings, TokenSource, TurnRecord, TurnStatus
+from turnstile.replay import Answer, ReplayCache, is_retry, replay_key
 from turnstile.rollouts import Rollout, RolloutRegistry
 from turnstile.sse import DONE, SSEError, SSEParser, encode_data
 from turnstile.stitch import RolloutInfo
@@ -80,6 +81,7 @@ class _Call:
     t_sent: float | None = None
     t_first: float | None = None
     done: bool = False
+    replay_key: str | None = None
 
     @property
     def headers(self) -> dict[str, str]:
@@ -112,6 +114,7 @@ class Proxy:
         self.in_flight = 0
         self.idle = asyncio.Event()  # set while no call is in flight
         self.idle.set()
+        self.replays = ReplayCache()
 
     # -- rollout hand-over -------------------------------------------------------------
     def _on_seal(self, rollout: Rollout) -> None:
@@ -141,8 +144,16 @@ class Proxy:
         *,
         rollout_id: str | None,
         policy_version: int | None = None,
+        idempotency_key: str | None = None,
+        retry_count: str | None = None,
     ) -> Relay | StreamRelay:
         received_at, t0 = time.time(), time.perf_counter()
+        key = replay_key(rollout_id, endpoint, raw, idempotency_key, retry_count)
+        if key is not None and is_retry(retry_count, idempotency_key):
+            answer = await self.replays.lookup(key)
+            if answer is not None:
+                log.info("replayed a retried call of rollout %s", rollout_id)
+                return _replay(answer)
         try:
             parsed = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
@@ -167,6 +178,9 @@ class Proxy:
         )
         self.in_flight += 1
         self.idle.clear()
+        if key is not None:
+            call.replay_key = key
+            self.replays.begin(key)
         capture = ResponseCapture(plan)
         try:
             forward = orjson.dumps(body)
@@ -217,14 +231,17 @@ class Proxy:
         if call.plan.needs_strip:
             call.plan.strip(obj)
             raw = orjson.dumps(obj)
-        self._finish(call, capture, TurnStatus.OK, None, resp.status)
-        return Relay(resp.status, resp.headers.get("Content-Type", _JSON), raw, call.headers)
+        content_type = resp.headers.get("Content-Type", _JSON)
+        answer = Answer(resp.status, content_type, [raw], call.headers)
+        self._finish(call, capture, TurnStatus.OK, None, resp.status, answer)
+        return Relay(resp.status, content_type, raw, call.headers)
 
     async def _relay_stream(
         self, call: _Call, capture: ResponseCapture, resp: BackendResponse
     ) -> AsyncIterator[bytes]:
         parser = SSEParser()
         plan = call.plan
+        kept: list[bytes] | None = [] if call.replay_key is not None else None
         saw_done = False
         error: str | None = None
         stream_error: str | None = None  # an error event sent by the backend itself
@@ -263,7 +280,10 @@ class Proxy:
                     else:
                         out.append(event.raw)
                 if out:
-                    yield b"".join(out)
+                    piece = b"".join(out)
+                    if kept is not None:
+                        kept.append(piece)
+                    yield piece
                 if saw_done:
                     break
             if not saw_done:
@@ -276,7 +296,12 @@ class Proxy:
                 # The client went away (or the server is stopping) mid-stream.
                 self._finish(call, capture, TurnStatus.ABORTED, "client disconnected", 499)
         if saw_done and stream_error is None:
-            self._finish(call, capture, TurnStatus.OK, None, resp.status)
+            answer = None
+            if kept is not None:
+                kept.append(encode_data(DONE))
+                content_type = resp.headers.get("Content-Type", "text/event-stream")
+                answer = Answer(resp.status, content_type, kept, call.headers, stream=True)
+            self._finish(call, capture, TurnStatus.OK, None, resp.status, answer)
             yield encode_data(DONE)
             return
         if stream_error is not None and error is None:
@@ -301,11 +326,14 @@ class Proxy:
         status: TurnStatus,
         error: str | None,
         http_status: int,
+        answer: Answer | None = None,
     ) -> None:
         """Record the call's turns exactly once and release its rollout slot."""
         if call.done:
             return
         call.done = True
+        if call.replay_key is not None:
+            self.replays.complete(call.replay_key, answer if status is TurnStatus.OK else None)
         self.in_flight -= 1
         if self.in_flight == 0:
             self.idle.set()
@@ -403,6 +431,18 @@ async def _passthrough_chunks(resp: BackendResponse) -> AsyncIterator[bytes]:
             yield chunk
     finally:
         resp.close()
+
+
+def _replay(answer: Answer) -> Relay | StreamRelay:
+    headers = {**answer.headers, "X-Turnstile-Replayed": "true"}
+    if not answer.stream:
+        return Relay(answer.status, answer.content_type, answer.chunks[0], headers)
+    return StreamRelay(answer.status, answer.content_type, _chunks_of(answer.chunks), headers)
+
+
+async def _chunks_of(chunks: list[bytes]) -> AsyncIterator[bytes]:
+    for chunk in chunks:
+        yield chunk
 
 
 def _error_message(obj: dict[str, Any]) -> str:

@@ -174,8 +174,8 @@ def _info_text(info: dict[str, Any]) -> dict[str, str | None]:
     }
 
 
-def build_router(proxy: Proxy, max_body: int) -> APIRouter:
-    router = APIRouter()
+def add_routes(router: APIRouter, proxy: Proxy, max_body: int) -> None:
+    """Add Turnstile's routes to `router` (the app's own, so the route table is flat)."""
 
     async def completion(request: Request, endpoint: str, rollout_id: str | None) -> Response:
         rid = rollout_id or request.headers.get(ROLLOUT_HEADER)
@@ -183,7 +183,12 @@ def build_router(proxy: Proxy, max_body: int) -> APIRouter:
             check_rollout_id(rid)
         raw = await read_body(request, max_body)
         result = await proxy.complete(
-            endpoint, raw, rollout_id=rid, policy_version=_policy_header(request)
+            endpoint,
+            raw,
+            rollout_id=rid,
+            policy_version=_policy_header(request),
+            idempotency_key=request.headers.get("idempotency-key"),
+            retry_count=request.headers.get("x-stainless-retry-count"),
         )
         return _respond(result)
 
@@ -289,7 +294,6 @@ def build_router(proxy: Proxy, max_body: int) -> APIRouter:
     )
     for extra in PASSTHROUGH_EXTRA:
         router.add_api_route(extra, passthrough, methods=["GET", "POST"], tags=["vllm"])
-    return router
 
 
 def install_error_handlers(app: FastAPI) -> None:

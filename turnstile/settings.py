@@ -8,6 +8,7 @@ variable that holds the secret, and `resolve_secret` reads it when needed.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 from collections.abc import Mapping
@@ -15,11 +16,28 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from turnstile import limits
 
 ENV_PREFIX = "TURNSTILE_"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` exposes the server to this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class SettingsError(Exception):
@@ -33,6 +51,12 @@ class Settings(BaseModel):
 
     backends: tuple[str, ...] = Field(default=("http://127.0.0.1:8000",), min_length=1)
     backend_api_key_env: str | None = None
+    # Names of environment variables holding client API keys (several allowed);
+    # empty means no client authentication, which is refused off loopback.
+    api_key_env: tuple[str, ...] = ()
+    # Name of the environment variable holding the admin key: when set, only it opens
+    # /admin/* and the reward routes.
+    admin_api_key_env: str | None = None
     output: Path = Path("turnstile-output")
     host: str = "127.0.0.1"
     port: int = Field(default=8100, ge=0, le=65535)
@@ -62,6 +86,22 @@ class Settings(BaseModel):
         if isinstance(value, str):
             value = [v for v in value.split(",") if v.strip()]
         return value
+
+    @field_validator("api_key_env", mode="before")
+    @classmethod
+    def _split_key_envs(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        return value
+
+    @model_validator(mode="after")
+    def _no_open_proxy_off_loopback(self) -> Settings:
+        if not self.api_key_env and not is_loopback(self.host):
+            raise ValueError(
+                f"refusing to bind {self.host} without client authentication: set "
+                "api_key_env (--api-key-env NAME) or bind 127.0.0.1"
+            )
+        return self
 
     @field_validator("backends")
     @classmethod
@@ -136,7 +176,11 @@ def load_settings(
     try:
         return Settings(**merged)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()
-        )
+        problems = "; ".join(_problem(err) for err in exc.errors())
         raise SettingsError(f"invalid settings: {problems}") from exc
+
+
+def _problem(err: Any) -> str:
+    where = ".".join(str(p) for p in err.get("loc", ()))
+    msg = str(err.get("msg", "")).removeprefix("Value error, ")
+    return f"{where}: {msg}" if where else msg

@@ -377,3 +377,39 @@ def test_backend_without_token_ids_is_flagged(
     (turn,) = h.sink.turns
     assert turn.token_source is TokenSource.NONE
     assert "no token IDs" in caplog.text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_sdk_retries_replay_the_answer_and_record_once(make_app: MakeApp, stream: bool) -> None:
+    h = make_app()
+    body = chat_body(stream=stream)
+    with TestClient(h.app) as client:
+        first = client.post("/rollouts/r/v1/chat/completions", json=body,
+                            headers={"x-stainless-retry-count": "0"})
+        retry = client.post("/rollouts/r/v1/chat/completions", json=body,
+                            headers={"x-stainless-retry-count": "1"})
+        assert retry.content == first.content and retry.status_code == 200
+        assert retry.headers["X-Turnstile-Replayed"] == "true"
+        other = client.post("/rollouts/r/v1/chat/completions", json=chat_body(stream=stream, n=2),
+                            headers={"x-stainless-retry-count": "1"})
+        assert "X-Turnstile-Replayed" not in other.headers
+        keyed = [client.post("/v1/chat/completions", json=body,
+                             headers={"Idempotency-Key": "k1"}) for _ in range(2)]
+        assert keyed[0].content == keyed[1].content
+        # without retry headers, identical prompts are separate samples (GRPO groups)
+        client.post("/v1/chat/completions", json=body)
+        client.post("/v1/chat/completions", json=body)
+    chat_calls = [r for r in h.backend.requests if r[1] == "/v1/chat/completions"]
+    assert len(chat_calls) == 5
+    assert len({t.turn_id for t in h.sink.turns}) == 5
+
+
+def test_retry_of_a_failed_call_is_a_new_call(make_app: MakeApp) -> None:
+    replies = iter([Reply(status=500), Reply()])
+    h = make_app(lambda body: next(replies))
+    with TestClient(h.app) as client:
+        assert client.post("/v1/chat/completions", json=chat_body(),
+                           headers={"x-stainless-retry-count": "0"}).status_code == 500
+        assert client.post("/v1/chat/completions", json=chat_body(),
+                           headers={"x-stainless-retry-count": "1"}).status_code == 200
+    assert sorted(t.status.value for t in h.sink.turns) == ["error", "ok"]
