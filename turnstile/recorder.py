@@ -14,7 +14,9 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import orjson
@@ -140,12 +142,16 @@ class Recorder:
                 self.error = f"closing the sink failed: {exc}"
                 log.exception("closing the sink failed")
 
-    def _guard(self, fn: object, arg: object) -> None:
+    def _guard(self, fn: Callable[[Any], None], arg: object) -> None:
         try:
-            fn(arg)  # type: ignore[operator]
+            fn(arg)
         except Exception as exc:
             self.error = str(exc)
             log.exception("recording failed")
+        else:
+            if self.error is not None:
+                log.info("recording recovered after: %s", self.error)
+                self.error = None
 
     def _write_turns(self, records: list[TurnRecord]) -> None:
         for record in records:

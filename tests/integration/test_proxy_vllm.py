@@ -289,27 +289,71 @@ def test_openai_client_sees_what_vllm_returns(turnstile: Turnstile, vllm_server:
     assert _shapes(sa) == _shapes(sb)
 
 
-def test_serve_command_publishes_everything_on_sigterm(
-    vllm_server: Any, qwen3_tokenizer_dir: Path, tmp_path: Path
-) -> None:
+def _start_serve(
+    vllm_server: Any, tokenizer: Path, out: Path
+) -> tuple[subprocess.Popen[str], str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    out = tmp_path / "shards"
     cmd = [sys.executable, "-m", "turnstile", "serve", "--backend", vllm_server.base_url,
-           "--output", str(out), "--port", str(port), "--tokenizer", str(qwen3_tokenizer_dir)]
+           "--output", str(out), "--port", str(port), "--tokenizer", str(tokenizer)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("turnstile serve did not start: " + proc.communicate()[0])
+        time.sleep(0.2)
+
+
+def test_sigterm_drains_in_flight_streams(
+    vllm_server: Any, qwen3_tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    proc, url = _start_serve(vllm_server, qwen3_tokenizer_dir, tmp_path / "shards")
+    lines: list[str] = []
+    started = threading.Event()
+
+    def stream() -> None:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "go"}],
+                "max_tokens": 120, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", url + "/rollouts/drain/v1/chat/completions", json=body,
+                          timeout=120) as resp:
+            for line in resp.iter_lines():
+                started.set()
+                lines.append(line)
+
+    worker = threading.Thread(target=stream)
+    worker.start()
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, "serve did not start"
-            time.sleep(0.2)
+        assert started.wait(60)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        assert httpx.get(url + "/health", timeout=5).status_code == 503
+        refused = httpx.post(url + "/v1/chat/completions", timeout=5,
+                             json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
+        assert refused.status_code == 503 and "Retry-After" in refused.headers
+        worker.join(120)
+    finally:
+        output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output
+    assert [line for line in lines if line][-1] == "data: [DONE]"
+    turns = open_output(tmp_path / "shards").turns().to_pylist()
+    (turn,) = [t for t in turns if t["rollout_id"] == "drain"]
+    assert turn["status"] == "ok" and len(turn["completion_token_ids"]) == 120
+
+
+def test_serve_command_publishes_everything_on_sigterm(
+    vllm_server: Any, qwen3_tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "shards"
+    proc, url = _start_serve(vllm_server, qwen3_tokenizer_dir, out)
+    try:
         client = openai.OpenAI(base_url=url + "/rollouts/left-open/v1", api_key="x")
         for _ in range(2):
             client.chat.completions.create(model=MODEL, max_tokens=MAX_TOKENS,

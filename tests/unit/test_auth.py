@@ -63,11 +63,17 @@ def test_keys_open_their_routes_only(keyed: MakeApp, caplog: pytest.LogCaptureFi
     client_auth = {"Authorization": f"Bearer {OTHER}"}
     admin_auth = {"Authorization": f"Bearer {ADMIN}"}
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    steering = {"Connection": "keep-alive, X-Secret", "X-Secret": "1", "Host": "evil.example",
+                "X-Forwarded-Host": "evil.example", "Proxy-Authorization": "Basic eA==",
+                "TE": "trailers", "Upgrade": "h2c"}
     with TestClient(h.app) as client:
-        assert client.post("/v1/chat/completions", json=body, headers=client_auth).status_code \
-            == 200
-        # the client's key is never forwarded to the backend
-        assert all("Authorization" not in hdrs for *_, hdrs in h.backend.requests)
+        resp = client.post("/v1/chat/completions", json=body, headers={**client_auth, **steering})
+        assert resp.status_code == 200
+        # neither the client's key nor any hop-by-hop or steering header reaches the backend
+        calls = [r for r in h.backend.requests if r[1].endswith("/completions")]
+        ((_, path, _, sent_headers),) = calls
+        assert path == "/v1/chat/completions"
+        assert sent_headers == {"Content-Type": "application/json"}
         assert client.post("/rollouts", json={"rollout_id": "r"},
                            headers=client_auth).status_code == 201
         rewards = {"rewards": {"ok": 1.0}}

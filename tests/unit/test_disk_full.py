@@ -1,0 +1,58 @@
+"""A full disk makes Turnstile refuse work (503, unhealthy) and lose nothing."""
+
+from __future__ import annotations
+
+import errno
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from starlette.testclient import TestClient
+
+import turnstile.shards as shards
+from tests.fakes_backend import FakeVLLM
+from turnstile.app import create_app
+from turnstile.reader import open_output
+from turnstile.settings import load_settings
+
+BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def _wait(predicate: Any, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
+def test_enospc_gives_503_and_recovers_without_loss(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "out"
+    settings = load_settings(None, {"output": out, "shard_max_rows": 1}, environ={})
+    app = create_app(settings, backend=FakeVLLM())
+    disk_full = {"on": True}
+    real_write = shards.pq.write_table
+
+    def write_table(*args: Any, **kwargs: Any) -> None:
+        if disk_full["on"]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write(*args, **kwargs)
+
+    monkeypatch.setattr(shards.pq, "write_table", write_table)
+    with TestClient(app) as client:
+        assert client.post("/rollouts/r/v1/chat/completions", json=BODY).status_code == 200
+        _wait(lambda: client.get("/health").status_code == 503)
+        health = client.get("/health").json()
+        assert "No space left" in health["recorder"]["error"]
+        refused = client.post("/rollouts/r/v1/chat/completions", json=BODY)
+        assert refused.status_code == 503 and int(refused.headers["Retry-After"]) > 0
+        assert "No space left" in refused.json()["error"]["message"]
+        disk_full["on"] = False
+        _wait(lambda: client.get("/health").status_code == 200)
+        assert client.post("/rollouts/r/v1/chat/completions", json=BODY).status_code == 200
+        assert client.get("/stats").json()["dropped"] == 0
+    turns = open_output(out).turns().to_pylist()
+    assert [t["turn_index"] for t in sorted(turns, key=lambda t: t["turn_index"])] == [0, 1]
+    assert not list((out / ".tmp").iterdir())
