@@ -30,6 +30,7 @@ from turnstile.errors import (
     Overloaded,
     TurnstileError,
 )
+from turnstile.jsontext import json_text
 from turnstile.recorder import Recorder, SealJob
 from turnstile.records import Timings, TokenSource, TurnRecord, TurnStatus
 from turnstile.replay import Answer, ReplayCache, is_retry, replay_key
@@ -92,7 +93,7 @@ class _Call:
 
 
 def _json_or_none(value: Any) -> str | None:
-    return None if value is None else orjson.dumps(value).decode()
+    return None if value is None else json_text(value)
 
 
 class Proxy:
@@ -366,7 +367,7 @@ class Proxy:
             endpoint=call.endpoint,
             policy_version=call.policy_version,
             status=status,
-            sampling_params_json=orjson.dumps(sampling_params(req)).decode(),
+            sampling_params_json=json_text(sampling_params(req)),
             request_messages_json=_json_or_none(req.get("messages")) if is_chat else None,
             request_tools_json=_json_or_none(req.get("tools")) if is_chat else None,
             request_prompt_json=None if is_chat else _json_or_none(req.get("prompt")),

@@ -14,7 +14,6 @@ import contextlib
 import logging
 from typing import Any
 
-import orjson
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field
@@ -29,6 +28,7 @@ from turnstile.errors import (
     TurnstileError,
     Unprocessable,
 )
+from turnstile.jsontext import json_text
 from turnstile.proxy import Proxy, Relay, StreamRelay
 from turnstile.rollouts import check_rollout_id
 
@@ -168,10 +168,8 @@ class PolicyVersion(BaseModel):
 
 
 def _info_text(info: dict[str, Any]) -> dict[str, str | None]:
-    return {
-        k: (v if isinstance(v, str) or v is None else orjson.dumps(v).decode())
-        for k, v in info.items()
-    }
+    """Verifier information as text: strings as given, anything else as JSON."""
+    return {k: v if isinstance(v, str) or v is None else json_text(v) for k, v in info.items()}
 
 
 def add_routes(router: APIRouter, proxy: Proxy, max_body: int) -> None:
@@ -288,13 +286,18 @@ def add_routes(router: APIRouter, proxy: Proxy, max_body: int) -> None:
         )
         return StreamingRelayResponse(result)
 
-    router.add_api_route(
-        "/v1/{rest:path}", passthrough, methods=["GET", "POST", "DELETE"], tags=["openai"],
-        include_in_schema=True,
-    )
-    for extra in PASSTHROUGH_EXTRA:
-        router.add_api_route(extra, passthrough, methods=["GET", "POST"], tags=["vllm"])
-
+    passthrough_routes: list[tuple[str, tuple[str, ...], str]] = [
+        ("/v1/{rest:path}", ("GET", "POST", "DELETE"), "openai")
+    ]
+    passthrough_routes += [(extra, ("GET", "POST"), "vllm") for extra in PASSTHROUGH_EXTRA]
+    for path, methods, tag in passthrough_routes:
+        for method in methods:
+            slug = path.strip("/").split("/")[0]
+            router.add_api_route(
+                path, passthrough, methods=[method], tags=[tag],
+                operation_id=f"passthrough_{slug}_{method.lower()}",
+                summary=f"{method} passed through to the backend",
+            )
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(TurnstileError)

@@ -369,3 +369,40 @@ def test_serve_command_publishes_everything_on_sigterm(
     assert not list((out / ".tmp").glob("*")), "a staged file was left behind"
     meta = reader.metadata("turns")[0]
     assert meta["turnstile.schema_version"] == "1" and MODEL in meta["turnstile.model"]
+
+
+def _vllm_metric(base_url: str, name: str, label: str = "") -> float:
+    text = httpx.get(base_url + "/metrics", timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and label in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_client_disconnect_aborts_the_request_in_vllm(
+    turnstile: Turnstile, vllm_server: Any
+) -> None:
+    # 1,500 tokens take vLLM on the CPU about 25 s; a request that stops running within
+    # seconds of the disconnect without finishing was aborted by the cancel.
+    finished = "vllm:request_success_total"
+    before = _vllm_metric(vllm_server.base_url, finished)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "talk"}],
+            "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", turnstile.url + "/rollouts/cut/v1/chat/completions", json=body,
+                      timeout=60) as resp:
+        for i, _ in enumerate(resp.iter_lines()):
+            if i >= 10:
+                break
+    cut_at = time.monotonic()
+    while _vllm_metric(vllm_server.base_url, "vllm:num_requests_running") > 0:
+        assert time.monotonic() - cut_at < 10, "vLLM kept generating after the disconnect"
+        time.sleep(0.2)
+    assert _vllm_metric(vllm_server.base_url, finished) == before, "the request completed"
+    httpx.post(turnstile.url + "/rollouts/cut/finish")
+    turnstile.stop()
+    (turn,) = [t for t in open_output(turnstile.output).turns().to_pylist()
+               if t["rollout_id"] == "cut"]
+    assert turn["status"] == "aborted" and turn["error"] == "client disconnected"
+    assert 0 < len(turn["completion_token_ids"]) < 1500
+    assert len(turn["behavior_logprobs"]) == len(turn["completion_token_ids"])
