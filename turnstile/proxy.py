@@ -35,7 +35,7 @@ from turnstile.recorder import Recorder, SealJob
 from turnstile.records import Timings, TokenSource, TurnRecord, TurnStatus
 from turnstile.replay import Answer, ReplayCache, is_retry, replay_key
 from turnstile.rollouts import Rollout, RolloutRegistry
-from turnstile.sse import DONE, SSEError, SSEParser, encode_data
+from turnstile.sse import DONE, SSEError, SSEEvent, SSEParser, encode_data
 from turnstile.stitch import RolloutInfo
 
 log = logging.getLogger("turnstile.proxy")
@@ -241,58 +241,31 @@ class Proxy:
         self, call: _Call, capture: ResponseCapture, resp: BackendResponse
     ) -> AsyncIterator[bytes]:
         parser = SSEParser()
-        plan = call.plan
+        events = _EventRelay(call, capture)
         kept: list[bytes] | None = [] if call.replay_key is not None else None
-        saw_done = False
         error: str | None = None
-        stream_error: str | None = None  # an error event sent by the backend itself
         try:
             async for chunk in resp.iter_chunks():
-                out: list[bytes] = []
-                for event in parser.feed(chunk):
-                    data = event.data
-                    if data is None:
-                        out.append(event.raw)
-                        continue
-                    if data.strip() == DONE:
-                        saw_done = True
-                        break
-                    try:
-                        obj = orjson.loads(data)
-                    except orjson.JSONDecodeError:
-                        out.append(event.raw)
-                        continue
-                    if not isinstance(obj, dict):
-                        out.append(event.raw)
-                        continue
-                    if "error" in obj and not obj.get("choices"):
-                        stream_error = _error_message(obj)
-                        out.append(event.raw)
-                        continue
-                    capture.add(obj, chunk=True)
-                    if call.t_first is None and any(
-                        c.token_ids or c.content for c in capture.choices.values()
-                    ):
-                        call.t_first = time.perf_counter()
-                    if plan.needs_strip:
-                        plan.strip(obj)
-                        if not plan.carries_nothing(obj):
-                            out.append(encode_data(orjson.dumps(obj)))
-                    else:
-                        out.append(event.raw)
-                if out:
-                    piece = b"".join(out)
+                piece = events.relay(parser.feed(chunk))
+                if piece:
                     if kept is not None:
                         kept.append(piece)
                     yield piece
-                if saw_done:
+                if events.saw_done:
                     break
-            if not saw_done:
+            else:
+                piece = events.relay(parser.finish())
+                if piece:
+                    if kept is not None:
+                        kept.append(piece)
+                    yield piece
+            if not events.saw_done:
                 error = "the backend closed the stream before [DONE]"
         except (BackendError, SSEError) as exc:
             error = str(exc)
         finally:
             resp.close()
+            saw_done, stream_error = events.saw_done, events.stream_error
             if not call.done and not (saw_done or error):
                 # The client went away (or the server is stopping) mid-stream.
                 self._finish(call, capture, TurnStatus.ABORTED, "client disconnected", 499)
@@ -432,6 +405,54 @@ async def _passthrough_chunks(resp: BackendResponse) -> AsyncIterator[bytes]:
             yield chunk
     finally:
         resp.close()
+
+
+class _EventRelay:
+    """Records each SSE event of a stream and rewrites it for the client."""
+
+    __slots__ = ("call", "capture", "saw_done", "stream_error")
+
+    def __init__(self, call: _Call, capture: ResponseCapture) -> None:
+        self.call = call
+        self.capture = capture
+        self.saw_done = False
+        self.stream_error: str | None = None  # an error event sent by the backend itself
+
+    def relay(self, events: list[SSEEvent]) -> bytes:
+        """The bytes to send for `events` (stopping at `[DONE]`, which is sent later)."""
+        out: list[bytes] = []
+        plan, capture = self.call.plan, self.capture
+        for event in events:
+            data = event.data
+            if data is None:
+                out.append(event.raw)
+                continue
+            if data.strip() == DONE:
+                self.saw_done = True
+                break
+            try:
+                obj = orjson.loads(data)
+            except orjson.JSONDecodeError:
+                obj = None
+            if not isinstance(obj, dict):
+                out.append(event.raw)
+                continue
+            if "error" in obj and not obj.get("choices"):
+                self.stream_error = _error_message(obj)
+                out.append(event.raw)
+                continue
+            capture.add(obj, chunk=True)
+            if self.call.t_first is None and any(
+                c.token_ids or c.content for c in capture.choices.values()
+            ):
+                self.call.t_first = time.perf_counter()
+            if plan.needs_strip:
+                plan.strip(obj)
+                if not plan.carries_nothing(obj):
+                    out.append(encode_data(orjson.dumps(obj)))
+            else:
+                out.append(event.raw)
+        return b"".join(out)
 
 
 def _replay(answer: Answer) -> Relay | StreamRelay:

@@ -36,7 +36,11 @@ class SSEParser:
 
     def feed(self, chunk: bytes) -> list[SSEEvent]:
         buf = self._buf + chunk if self._buf else chunk
+        held = b""
         if b"\r" in buf:
+            if buf.endswith(b"\r"):
+                # A CR at the end may be the first half of a CRLF split across chunks.
+                buf, held = buf[:-1], b"\r"
             buf = buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         events: list[SSEEvent] = []
         start = 0
@@ -48,10 +52,17 @@ class SSEParser:
             start = end + 2
             if block.strip(b"\n"):
                 events.append(SSEEvent(raw=block.lstrip(b"\n") + b"\n\n", data=_data(block)))
-        self._buf = buf[start:]
+        self._buf = buf[start:] + held
         if len(self._buf) > MAX_EVENT_BYTES:
             raise SSEError(f"an SSE event exceeded {MAX_EVENT_BYTES} bytes")
         return events
+
+    def finish(self) -> list[SSEEvent]:
+        """At the end of the stream: a held final CR is a line end after all."""
+        if not self._buf.endswith(b"\r"):
+            return []
+        buf, self._buf = self._buf[:-1] + b"\n", b""
+        return self.feed(buf)
 
     def pending(self) -> bytes:
         """Bytes received after the last complete event (a torn last event)."""
