@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import BinaryIO, Literal, Protocol
 
 from turnstile.errors import Overloaded
+from turnstile.fsutil import fsync_path
 
 FsyncPolicy = Literal["always", "interval", "never"]
 
@@ -226,14 +227,6 @@ def _read_segments(segments: list[tuple[int, Path]]) -> Iterator[Frame]:
             after = scan.last_seq
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _recover(directory: Path, *, sync: bool) -> RecoveryReport:
     report = RecoveryReport()
     segments = list_segments(directory)
@@ -353,7 +346,7 @@ class FileJournal:
         if segments and segments[-1][1].stat().st_size == 0:
             segments[-1][1].unlink()
             if self._sync:
-                _fsync_dir(self.directory)
+                fsync_path(self.directory)
             segments.pop()
         return [segment_id for segment_id, _ in segments]
 
@@ -524,7 +517,7 @@ class FileJournal:
             self._segment_ids.append(segment_id)
         if self._sync:
             try:
-                _fsync_dir(self.directory)
+                fsync_path(self.directory)
             except OSError as exc:
                 self._decide(self._decided_seq, _journal_error("fsync", exc), fatal=True)
                 raise
@@ -563,7 +556,7 @@ class FileJournal:
             self._segment_ids = [s for s in self._segment_ids if s > segment_id]
             self._recovered_ids = [s for s in self._recovered_ids if s > segment_id]
         if doomed and self._sync:
-            _fsync_dir(self.directory)
+            fsync_path(self.directory)
         return len(doomed)
 
     # -- shutdown --------------------------------------------------------------------------

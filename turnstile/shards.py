@@ -31,6 +31,7 @@ from typing import Any, Final, Protocol
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from turnstile.fsutil import fsync_path
 from turnstile.records import RolloutRecord, SampleRecord, TurnRecord
 from turnstile.schema import (
     META_WRITER,
@@ -113,15 +114,6 @@ def shard_name(unix_ms: int, writer_id: str, seq: int) -> str:
     return f"{SHARD_PREFIX}{unix_ms:013d}-{writer_id}-{seq:06d}{SHARD_SUFFIX}"
 
 
-def _fsync(path: Path) -> None:
-    """fsync a file or a directory by path."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _remove_quietly(path: Path) -> None:
     with contextlib.suppress(OSError):
         path.unlink(missing_ok=True)
@@ -198,7 +190,7 @@ class ParquetShardSink:
             if match and match["writer"] == self.writer_id:
                 _remove_quietly(staged)  # left by a crashed predecessor with this id
         if self.fsync:
-            _fsync(self.output_dir)
+            fsync_path(self.output_dir)
 
     # ------------------------------------------------------------ Sink protocol
 
@@ -297,7 +289,7 @@ class ParquetShardSink:
         self.rows_published[table] += len(chunk)
         if self.fsync:
             try:
-                _fsync(final.parent)
+                fsync_path(final.parent)
             except OSError as e:
                 raise SinkError(
                     f"published {final} but cannot sync its directory: {_describe(e)}"
@@ -340,7 +332,7 @@ class ParquetShardSink:
                 write_statistics=statistics_columns(table),
             )
             if self.fsync:
-                _fsync(staged)
+                fsync_path(staged)
             if final.exists():
                 raise FileExistsError(
                     f"{final} already exists: is another writer using id {self.writer_id!r}?"
