@@ -20,15 +20,20 @@ from turnstile import __version__
 from turnstile.auth import AuthMiddleware
 from turnstile.backend import AiohttpBackend, Backend, Timeouts
 from turnstile.errors import TurnstileError
+from turnstile.journal import FileJournal, list_segments
 from turnstile.limits import ROLLOUT_SWEEP_INTERVAL_S, WRITER_JOIN_TIMEOUT_S
 from turnstile.proxy import Proxy
 from turnstile.recorder import Recorder
+from turnstile.recovery import apply_recovery, recover
 from turnstile.routes import add_routes, install_error_handlers
 from turnstile.settings import Settings, resolve_secret
 from turnstile.shards import ParquetShardSink, Sink
 from turnstile.tokenizer import LocalTokenizer
 
 log = logging.getLogger("turnstile")
+
+# The journal's directory under the output directory (local disk, never object storage).
+JOURNAL_DIR = "journal"
 
 # The start-up look at the backend's model list must not hold up start-up for long.
 MODEL_LIST_TIMEOUT_S = 5.0
@@ -95,6 +100,11 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         model = await _model_identity(backend)
         identity["turnstile.model"] = model or ""
+        journal_dir = settings.output / JOURNAL_DIR
+        journal = await asyncio.to_thread(FileJournal, journal_dir, fsync=settings.fsync)
+        recovered = await asyncio.to_thread(recover, journal, settings.output)
+        apply_recovery(recovered, proxy)
+        proxy.journal = journal
         recorder.start()
         sweeper = asyncio.ensure_future(_sweep(proxy))
         log.info(
@@ -109,6 +119,11 @@ def create_app(
             sealed = proxy.registry.seal_all()
             await backend.aclose()
             finished = await asyncio.to_thread(recorder.stop, WRITER_JOIN_TIMEOUT_S)
+            await asyncio.to_thread(journal.close)
+            if finished and recorder.error is None:
+                # Everything journaled is published: the next start has nothing to replay.
+                for _, segment in list_segments(journal_dir):
+                    segment.unlink()
             log.info(
                 "shut down: sealed %d open rollouts as interrupted; %d turns written%s",
                 sealed, recorder.stats.turns_written,

@@ -21,6 +21,7 @@ import numpy as np
 import numpy.typing as npt
 import orjson
 
+from turnstile.jsontext import json_text
 from turnstile.records import (
     Reward,
     RolloutStatus,
@@ -88,8 +89,8 @@ class PolicyVersionSet:
 def _pack(header: dict[str, Any], blocks: list[bytes]) -> bytes:
     header["_b"] = [len(b) for b in blocks]
     try:
-        head = orjson.dumps(header)
-    except TypeError as exc:  # orjson.JSONEncodeError: unencodable value or invalid str
+        head = json_text(header).encode("utf-8")
+    except (TypeError, ValueError) as exc:  # unencodable value or invalid str
         raise CodecError(f"cannot encode event: {exc}") from exc
     return b"".join([_PREFIX.pack(CODEC_VERSION, len(head)), head, *blocks])
 

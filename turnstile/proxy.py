@@ -30,6 +30,8 @@ from turnstile.errors import (
     Overloaded,
     TurnstileError,
 )
+from turnstile.journal import Journal, JournalError
+from turnstile.journal_codec import Event, encode_event
 from turnstile.jsontext import json_text
 from turnstile.recorder import Recorder, SealJob
 from turnstile.records import Timings, TokenSource, TurnRecord, TurnStatus
@@ -83,6 +85,7 @@ class _Call:
     t_first: float | None = None
     done: bool = False
     replay_key: str | None = None
+    seq: int = 0  # journal frame of the call's last record
 
     @property
     def headers(self) -> dict[str, str]:
@@ -110,15 +113,37 @@ class Proxy:
         self.recorder = recorder
         self.top_logprobs = top_logprobs
         self.policy_version = policy_version
-        self.registry = RolloutRegistry(self._on_seal, idle_timeout_s)
+        self.journal: Journal | None = None  # opened at start-up (turnstile.app)
+        self.registry = RolloutRegistry(self._on_seal, idle_timeout_s, self.journal_event)
         self.draining = False
         self.in_flight = 0
         self.idle = asyncio.Event()  # set while no call is in flight
         self.idle.set()
         self.replays = ReplayCache()
 
+    # -- durability -------------------------------------------------------------------
+    def journal_event(self, event: Event) -> int:
+        """Append an event to the journal; its sequence number (0 without a journal)."""
+        if self.journal is None:
+            return 0
+        kind, payload = encode_event(event)
+        return self.journal.append(kind, payload)
+
+    async def durable(self, seq: int | None = None) -> None:
+        """Wait until journal frame `seq` (default: the latest) is durable."""
+        if self.journal is None:
+            return
+        await self.journal.wait_durable(self.journal.last_seq if seq is None else seq)
+
     # -- rollout hand-over -------------------------------------------------------------
     def _on_seal(self, rollout: Rollout) -> None:
+        self.hand_over(rollout)
+
+    def hand_over(
+        self, rollout: Rollout, *, skip_samples: frozenset[int] = frozenset(),
+        skip_rollout: bool = False,
+    ) -> None:
+        """Give a sealed rollout to the writer to stitch and publish."""
         info = RolloutInfo(
             rollout.rollout_id,
             rollout.group_id,
@@ -134,6 +159,8 @@ class Proxy:
                 num_calls=rollout.num_turns,
                 created_at=rollout.created_at,
                 sealed_at=rollout.sealed_at or time.time(),
+                skip_samples=skip_samples,
+                skip_rollout=skip_rollout,
             )
         )
 
@@ -235,6 +262,7 @@ class Proxy:
         content_type = resp.headers.get("Content-Type", _JSON)
         answer = Answer(resp.status, content_type, [raw], call.headers)
         self._finish(call, capture, TurnStatus.OK, None, resp.status, answer)
+        await self.durable(call.seq)  # acknowledged means journaled
         return Relay(resp.status, content_type, raw, call.headers)
 
     async def _relay_stream(
@@ -276,6 +304,11 @@ class Proxy:
                 content_type = resp.headers.get("Content-Type", "text/event-stream")
                 answer = Answer(resp.status, content_type, kept, call.headers, stream=True)
             self._finish(call, capture, TurnStatus.OK, None, resp.status, answer)
+            try:
+                await self.durable(call.seq)  # [DONE] means journaled
+            except JournalError as exc:
+                yield encode_data(exc.body_bytes())
+                return
             yield encode_data(DONE)
             return
         if stream_error is not None and error is None:
@@ -312,6 +345,8 @@ class Proxy:
         if self.in_flight == 0:
             self.idle.set()
         records = self._records(call, capture, status, error, http_status)
+        for record in records:
+            call.seq = self.journal_event(record)
         self.recorder.submit_turns(records)
         self.registry.end_turn(call.rollout, records)
 

@@ -43,6 +43,9 @@ class SealJob:
     num_calls: int
     created_at: float
     sealed_at: float
+    # after a crash: what of this rollout is already published
+    skip_samples: frozenset[int] = frozenset()
+    skip_rollout: bool = False
 
 
 @dataclass(slots=True)
@@ -204,8 +207,12 @@ class Recorder:
             if sample.parent_sample_index is not None:
                 breaks += 1
                 self.stats.breaks_by_kind[kind] = self.stats.breaks_by_kind.get(kind, 0) + 1
-        if samples:
-            self._sink.write_samples(samples)
+        fresh = [x for x in samples if x.sample_index not in job.skip_samples]
+        if fresh:
+            self._sink.write_samples(fresh)
+        if job.skip_rollout:
+            self.stats.samples_written += len(fresh)
+            return
         self._sink.write_rollouts(
             [
                 RolloutRecord(
@@ -224,5 +231,5 @@ class Recorder:
                 )
             ]
         )
-        self.stats.samples_written += len(samples)
+        self.stats.samples_written += len(fresh)
         self.stats.rollouts_written += 1

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from turnstile.errors import BadRequest, Conflict, NotFound
+from turnstile.journal_codec import Event, RewardsPosted, RolloutCreated, RolloutSealed
 from turnstile.limits import MAX_ROLLOUT_ID_LENGTH
 from turnstile.records import Reward, RolloutStatus, TurnRecord
 
@@ -81,8 +82,14 @@ class Rollout:
 class RolloutRegistry:
     """The open rollouts, and a bounded memory of sealed ones."""
 
-    def __init__(self, on_seal: Callable[[Rollout], None], idle_timeout_s: float) -> None:
+    def __init__(
+        self,
+        on_seal: Callable[[Rollout], None],
+        idle_timeout_s: float,
+        on_event: Callable[[Event], int] | None = None,
+    ) -> None:
         self._on_seal = on_seal
+        self.on_event = on_event  # journals creations, rewards and seals
         self._idle_timeout_s = idle_timeout_s
         self._open: dict[str, Rollout] = {}
         self._sealed: OrderedDict[str, Rollout] = OrderedDict()
@@ -112,7 +119,15 @@ class RolloutRegistry:
             raise Conflict(f"rollout {rid!r} already exists", param="rollout_id")
         rollout = Rollout(rid, group_id, task_id, metadata, implicit)
         self._open[rid] = rollout
+        if self.on_event is not None:
+            self.on_event(
+                RolloutCreated(rid, group_id, task_id, metadata, implicit, rollout.created_at)
+            )
         return rollout
+
+    def restore(self, rollout: Rollout) -> None:
+        """Put back an open rollout recovered from the journal."""
+        self._open[rollout.rollout_id] = rollout
 
     # -- turns -------------------------------------------------------------------------
     def begin_turn(self, rollout_id: str | None) -> tuple[Rollout, int]:
@@ -160,6 +175,8 @@ class RolloutRegistry:
                 "/finish, or send them in the /finish body",
                 param="rollout_id",
             )
+        if self.on_event is not None:
+            self.on_event(RewardsPosted(rollout_id, dict(rewards), dict(info)))
         for name, value in rewards.items():
             rollout.rewards[name] = Reward(name, float(value), info.get(name))
         for name, text in info.items():
@@ -203,6 +220,8 @@ class RolloutRegistry:
     def _seal(self, rollout: Rollout, status: RolloutStatus) -> None:
         rollout.status = status
         rollout.sealed_at = time.time()
+        if self.on_event is not None:
+            self.on_event(RolloutSealed(rollout.rollout_id, status, rollout.sealed_at))
         self._maybe_hand_over(rollout)
 
     def _maybe_hand_over(self, rollout: Rollout) -> None:

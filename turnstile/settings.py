@@ -74,6 +74,10 @@ class Settings(BaseModel):
     max_request_body_bytes: int = Field(default=limits.MAX_REQUEST_BODY_BYTES, gt=0)
     backend_pool_size: int = Field(default=limits.BACKEND_POOL_SIZE, gt=0)
 
+    # When an acknowledged turn is on disk: "always" fsyncs before every acknowledgement
+    # (survives power loss), "interval" group-commits within a few ms (same guarantee,
+    # fewer fsyncs under load), "never" leaves it to the OS (survives a process crash).
+    fsync: Literal["always", "interval", "never"] = "interval"
     recorder_queue_size: int = Field(default=limits.RECORDER_QUEUE_SIZE, gt=0)
     shard_max_rows: int = Field(default=limits.SHARD_MAX_ROWS, gt=0)
     shard_max_age_s: float = Field(default=limits.SHARD_MAX_AGE_S, gt=0)

@@ -1,0 +1,169 @@
+"""Recovery: what a previous run journaled but did not publish, rebuilt at start-up.
+
+The journal holds every turn and rollout event since the last clean shutdown; the
+shards hold what was published. Recovery replays the journal, compares it with the
+published shards by key (turn id and choice, rollout id and sample index, rollout id)
+and returns exactly what is missing: turns to write, sealed rollouts to stitch again
+(with the samples or the rollout row already published left out), and the rollouts
+that were still open, to be restored. Published rows are never written twice.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from turnstile.journal import Journal
+from turnstile.journal_codec import (
+    CodecError,
+    PolicyVersionSet,
+    RewardsPosted,
+    RolloutCreated,
+    RolloutSealed,
+    decode_event,
+    rewards_from_event,
+)
+from turnstile.reader import open_output
+from turnstile.records import Reward, TurnRecord
+from turnstile.rollouts import Rollout
+
+if TYPE_CHECKING:
+    from turnstile.proxy import Proxy
+
+log = logging.getLogger("turnstile.recovery")
+
+
+@dataclass(slots=True)
+class RecoveredRollout:
+    rollout_id: str
+    created: RolloutCreated | None = None
+    rewards: dict[str, Reward] = field(default_factory=dict)
+    turns: list[TurnRecord] = field(default_factory=list)
+    sealed: RolloutSealed | None = None
+
+
+@dataclass(slots=True)
+class Recovered:
+    """What the journal holds that the shards do not."""
+
+    frames: int = 0
+    undecodable: int = 0
+    policy_version: int | None = None
+    unpublished_turns: list[TurnRecord] = field(default_factory=list)
+    open_rollouts: list[RecoveredRollout] = field(default_factory=list)
+    sealed_rollouts: list[RecoveredRollout] = field(default_factory=list)
+    published_samples: set[tuple[str, int]] = field(default_factory=set)
+    published_rollouts: set[str] = field(default_factory=set)
+
+
+def _published(output: Path) -> tuple[set[tuple[str, int]], set[tuple[str, int]], set[str]]:
+    reader = open_output(output)
+    turns = reader.turns(columns=["turn_id", "choice_index"]) if reader.files("turns") else None
+    samples = (
+        reader.samples(columns=["rollout_id", "sample_index"]) if reader.files("samples") else None
+    )
+    rollouts = reader.rollouts(columns=["rollout_id"]) if reader.files("rollouts") else None
+    turn_keys = (
+        set(zip(turns["turn_id"].to_pylist(), turns["choice_index"].to_pylist(), strict=True))
+        if turns is not None
+        else set()
+    )
+    sample_keys = (
+        set(zip(samples["rollout_id"].to_pylist(), samples["sample_index"].to_pylist(),
+                strict=True))
+        if samples is not None
+        else set()
+    )
+    rollout_ids = set(rollouts["rollout_id"].to_pylist()) if rollouts is not None else set()
+    return turn_keys, sample_keys, rollout_ids
+
+
+def recover(journal: Journal, output: Path) -> Recovered:
+    """Replay `journal` against the shards under `output`."""
+    result = Recovered()
+    rollouts: dict[str, RecoveredRollout] = {}
+    frames = list(journal.replay())
+    if not frames:
+        return result
+    turn_keys, sample_keys, rollout_ids = _published(output)
+    result.published_samples, result.published_rollouts = sample_keys, rollout_ids
+    seen_turns: set[tuple[str, int]] = set()
+    for frame in frames:
+        result.frames += 1
+        try:
+            event = decode_event(frame.kind, frame.payload)
+        except CodecError as exc:
+            result.undecodable += 1
+            log.error("journal frame %d cannot be decoded: %s", frame.seq, exc)
+            continue
+        if isinstance(event, PolicyVersionSet):
+            result.policy_version = event.policy_version
+            continue
+        state = rollouts.setdefault(event.rollout_id, RecoveredRollout(event.rollout_id))
+        if isinstance(event, TurnRecord):
+            key = (event.turn_id, event.choice_index)
+            if key in seen_turns:
+                continue
+            seen_turns.add(key)
+            state.turns.append(event)
+            if key not in turn_keys:
+                result.unpublished_turns.append(event)
+        elif isinstance(event, RolloutCreated):
+            state.created = event
+        elif isinstance(event, RewardsPosted):
+            for reward in rewards_from_event(event):
+                state.rewards[reward.name] = reward
+        elif isinstance(event, RolloutSealed):
+            state.sealed = event
+    for state in rollouts.values():
+        if state.sealed is None:
+            result.open_rollouts.append(state)
+        else:
+            result.sealed_rollouts.append(state)
+    return result
+
+
+def apply_recovery(recovered: Recovered, proxy: Proxy) -> None:
+    """Hand what was missing to the recorder, and restore the open rollouts."""
+    if not recovered.frames:
+        return
+    if recovered.policy_version is not None:
+        proxy.policy_version = recovered.policy_version
+    if recovered.unpublished_turns:
+        proxy.recorder.submit_turns(recovered.unpublished_turns)
+    for state in recovered.open_rollouts:
+        proxy.registry.restore(_rollout(state))
+    for state in recovered.sealed_rollouts:
+        rollout = _rollout(state)
+        assert state.sealed is not None
+        rollout.status, rollout.sealed_at = state.sealed.status, state.sealed.sealed_at
+        skip_rollout = state.rollout_id in recovered.published_rollouts
+        skip = frozenset(i for rid, i in recovered.published_samples if rid == state.rollout_id)
+        proxy.hand_over(rollout, skip_samples=skip, skip_rollout=skip_rollout)
+    log.info(
+        "recovered %d journal frames: %d turns republished, %d open rollouts restored, "
+        "%d sealed rollouts re-stitched, %d undecodable frames",
+        recovered.frames, len(recovered.unpublished_turns), len(recovered.open_rollouts),
+        len(recovered.sealed_rollouts), recovered.undecodable,
+    )
+
+
+def _rollout(state: RecoveredRollout) -> Rollout:
+    created = state.created
+    rollout = Rollout(
+        state.rollout_id,
+        group_id=created.group_id if created else None,
+        task_id=created.task_id if created else None,
+        metadata=created.metadata if created else None,
+        implicit=created.implicit if created else False,
+    )
+    if created is not None:
+        rollout.created_at = created.created_at
+    rollout.rewards = dict(state.rewards)
+    rollout.turns = sorted(state.turns, key=lambda t: (t.turn_index, t.choice_index))
+    rollout.num_turns = len({t.turn_id for t in state.turns})
+    rollout.next_turn_index = max((t.turn_index for t in state.turns), default=-1) + 1
+    rollout.policy_versions = {t.policy_version for t in state.turns}
+    return rollout
