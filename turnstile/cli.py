@@ -118,6 +118,29 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    from turnstile.verify import verify
+
+    report = verify(args.directory)
+    for table in report.shards:
+        print(f"{table}: {report.shards[table]} shards, {report.rows[table]} rows")
+    print(f"journal: {report.journal_frames} frames, {report.unpublished_turns} turns "
+          "not yet in shards")
+    for problem in report.problems:
+        print(f"PROBLEM: {problem}")
+    print("ok" if report.ok else f"{len(report.problems)} problems")
+    return 0 if report.ok else 1
+
+
+def cmd_recover(args: argparse.Namespace) -> int:
+    from turnstile.verify import recover_offline
+
+    _setup_logging("info")
+    settings = load_settings(None, {"output": args.directory, "fsync": "always"})
+    recover_offline(settings)
+    return 0
+
+
 def cmd_schema(args: argparse.Namespace) -> int:
     from turnstile.schema import schema_markdown
 
@@ -152,6 +175,23 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--vllm-port", type=int, default=DEMO_VLLM_PORT, help="vLLM's port")
     demo.add_argument("--output", type=Path, default=Path("turnstile-output"))
     demo.set_defaults(func=cmd_demo)
+
+    verify = sub.add_parser(
+        "verify", help="check every shard of an output directory against the schema",
+        description="Check that every published shard opens, matches its table's schema and "
+        "version and reads in full, and that no journaled turn is missing from the shards. "
+        "Exits 1 on any problem.",
+    )
+    verify.add_argument("directory", type=Path)
+    verify.set_defaults(func=cmd_verify)
+
+    recover = sub.add_parser(
+        "recover", help="publish what a crashed run journaled, without serving",
+        description="Replay the journal of an output directory into its shards (as "
+        "`turnstile serve` does at start-up) and seal rollouts left open as interrupted.",
+    )
+    recover.add_argument("directory", type=Path)
+    recover.set_defaults(func=cmd_recover)
 
     schema = sub.add_parser("schema", help="print the Parquet schema as a Markdown table")
     schema.set_defaults(func=cmd_schema)

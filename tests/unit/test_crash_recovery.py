@@ -227,3 +227,33 @@ def test_kill_9_loses_no_acknowledged_turn(backend_url: str, tmp_path: Path) -> 
     assert not doubled, f"acknowledged turns recorded twice: {doubled[:10]}"
     assert len(acked) > KILLS * 5
     assert not list((out / "journal").glob("*.wal")), "journal left after a clean stop"
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "turnstile", *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_verify_and_recover_commands(backend_url: str, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proxy = Proxy(backend_url, out)
+    proxy.env["TURNSTILE_SHARD_MAX_AGE_S"] = "3600"  # nothing published before the kill
+    proxy.start()
+    acked = [_turn(proxy.url, "v1", [{"role": "user", "content": "x"}], stream=s)[0]
+             for s in (False, True, False)]
+    proxy.kill()
+    before = _cli("verify", str(out))
+    assert before.returncode == 1 and "3 journaled turns are not in published shards" in (
+        before.stdout), before.stdout
+    assert _cli("recover", str(out)).returncode == 0
+    after = _cli("verify", str(out))
+    assert after.returncode == 0, after.stdout
+    assert "turns: 1 shards, 3 rows" in after.stdout
+    turns = open_output(out).turns(columns=["turn_index", "status"]).to_pylist()
+    assert sorted(t["turn_index"] for t in turns) == acked
+    (rollout,) = open_output(out).rollouts(columns=["status"]).to_pylist()
+    assert rollout["status"] == "interrupted"
+    shard = next((out / "turns").glob("part-*.parquet"))
+    shard.write_bytes(shard.read_bytes()[:-20])
+    broken = _cli("verify", str(out))
+    assert broken.returncode == 1 and "PROBLEM" in broken.stdout
