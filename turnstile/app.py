@@ -103,7 +103,9 @@ def create_app(
         journal_dir = settings.output / JOURNAL_DIR
         journal = await asyncio.to_thread(FileJournal, journal_dir, fsync=settings.fsync)
         recovered = await asyncio.to_thread(recover, journal, settings.output)
-        apply_recovery(recovered, proxy)
+        apply_recovery(
+            recovered, proxy, restore_open=settings.recover_open_rollouts == "restore"
+        )
         proxy.journal = journal
         recorder.start()
         sweeper = asyncio.ensure_future(_sweep(proxy))

@@ -26,7 +26,7 @@ from turnstile.journal_codec import (
     rewards_from_event,
 )
 from turnstile.reader import open_output
-from turnstile.records import Reward, TurnRecord
+from turnstile.records import Reward, RolloutStatus, TurnRecord
 from turnstile.rollouts import Rollout
 
 if TYPE_CHECKING:
@@ -125,8 +125,8 @@ def recover(journal: Journal, output: Path) -> Recovered:
     return result
 
 
-def apply_recovery(recovered: Recovered, proxy: Proxy) -> None:
-    """Hand what was missing to the recorder, and restore the open rollouts."""
+def apply_recovery(recovered: Recovered, proxy: Proxy, *, restore_open: bool = True) -> None:
+    """Hand what was missing to the recorder; restore the open rollouts, or seal them."""
     if not recovered.frames:
         return
     if recovered.policy_version is not None:
@@ -135,6 +135,8 @@ def apply_recovery(recovered: Recovered, proxy: Proxy) -> None:
         proxy.recorder.submit_turns(recovered.unpublished_turns)
     for state in recovered.open_rollouts:
         proxy.registry.restore(_rollout(state))
+    if not restore_open:
+        proxy.registry.seal_all(RolloutStatus.INTERRUPTED)
     for state in recovered.sealed_rollouts:
         rollout = _rollout(state)
         assert state.sealed is not None

@@ -209,11 +209,13 @@ def add_routes(router: APIRouter, proxy: Proxy, max_body: int) -> None:
     @router.get("/health", tags=["admin"])
     async def health() -> Response:
         recorder = proxy.recorder
-        ok = recorder.healthy and not proxy.draining
+        journal_ok = proxy.journal is None or proxy.journal.healthy
+        ok = recorder.healthy and journal_ok and not proxy.draining
         body = {
             "status": "ok" if ok else ("draining" if proxy.draining else "unhealthy"),
             "recorder": {"healthy": recorder.healthy, "error": recorder.error,
                          "backlog": recorder.backlog},
+            "journal": {"healthy": journal_ok},
             "open_rollouts": proxy.registry.open_count,
         }
         return JSONResponse(body, status_code=200 if ok else 503)

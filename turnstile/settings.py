@@ -78,6 +78,9 @@ class Settings(BaseModel):
     # (survives power loss), "interval" group-commits within a few ms (same guarantee,
     # fewer fsyncs under load), "never" leaves it to the OS (survives a process crash).
     fsync: Literal["always", "interval", "never"] = "interval"
+    # Rollouts a crashed run left open: restored (the harness may go on with them) or
+    # sealed as "interrupted" at start-up.
+    recover_open_rollouts: Literal["restore", "interrupt"] = "restore"
     recorder_queue_size: int = Field(default=limits.RECORDER_QUEUE_SIZE, gt=0)
     shard_max_rows: int = Field(default=limits.SHARD_MAX_ROWS, gt=0)
     shard_max_age_s: float = Field(default=limits.SHARD_MAX_AGE_S, gt=0)
