@@ -86,6 +86,7 @@ class _Call:
     done: bool = False
     replay_key: str | None = None
     seq: int = 0  # journal frame of the call's last record
+    journal_error: JournalError | None = None
 
     @property
     def headers(self) -> dict[str, str]:
@@ -134,6 +135,11 @@ class Proxy:
         if self.journal is None:
             return
         await self.journal.wait_durable(self.journal.last_seq if seq is None else seq)
+
+    async def _acknowledge(self, call: _Call) -> None:
+        if call.journal_error is not None:
+            raise call.journal_error
+        await self.durable(call.seq)
 
     # -- rollout hand-over -------------------------------------------------------------
     def _on_seal(self, rollout: Rollout) -> None:
@@ -262,7 +268,7 @@ class Proxy:
         content_type = resp.headers.get("Content-Type", _JSON)
         answer = Answer(resp.status, content_type, [raw], call.headers)
         self._finish(call, capture, TurnStatus.OK, None, resp.status, answer)
-        await self.durable(call.seq)  # acknowledged means journaled
+        await self._acknowledge(call)  # acknowledged means journaled
         return Relay(resp.status, content_type, raw, call.headers)
 
     async def _relay_stream(
@@ -305,7 +311,7 @@ class Proxy:
                 answer = Answer(resp.status, content_type, kept, call.headers, stream=True)
             self._finish(call, capture, TurnStatus.OK, None, resp.status, answer)
             try:
-                await self.durable(call.seq)  # [DONE] means journaled
+                await self._acknowledge(call)  # [DONE] means journaled
             except JournalError as exc:
                 yield encode_data(exc.body_bytes())
                 return
@@ -345,8 +351,12 @@ class Proxy:
         if self.in_flight == 0:
             self.idle.set()
         records = self._records(call, capture, status, error, http_status)
-        for record in records:
-            call.seq = self.journal_event(record)
+        try:
+            for record in records:
+                call.seq = self.journal_event(record)
+        except JournalError as exc:  # not acknowledged; still recorded and released
+            call.journal_error = exc
+            log.error("journal append failed for rollout %s: %s", call.rollout.rollout_id, exc)
         self.recorder.submit_turns(records)
         self.registry.end_turn(call.rollout, records)
 

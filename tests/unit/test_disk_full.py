@@ -56,3 +56,32 @@ def test_enospc_gives_503_and_recovers_without_loss(
     turns = open_output(out).turns().to_pylist()
     assert [t["turn_index"] for t in sorted(turns, key=lambda t: t["turn_index"])] == [0, 1]
     assert not list((out / ".tmp").iterdir())
+
+
+def test_journal_disk_full_means_no_acknowledgement(
+    make_app: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import turnstile.journal as journal
+
+    real_write = journal._write_all
+    disk_full = {"on": False}
+
+    def write_all(fd: int, data: bytes) -> None:
+        if disk_full["on"]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write(fd, data)
+
+    monkeypatch.setattr(journal, "_write_all", write_all)
+    h = make_app()
+    with TestClient(h.app) as client:
+        assert client.post("/rollouts/j/v1/chat/completions", json=BODY).status_code == 200
+        disk_full["on"] = True
+        refused = client.post("/rollouts/j/v1/chat/completions", json=BODY)
+        assert refused.status_code == 503 and "Retry-After" in refused.headers
+        assert "disk is full" in refused.json()["error"]["message"]
+        stream = client.post("/rollouts/j/v1/chat/completions", json={**BODY, "stream": True})
+        assert "data: [DONE]" not in stream.text and "disk is full" in stream.text
+        disk_full["on"] = False
+        assert client.post("/rollouts/j/v1/chat/completions", json=BODY).status_code == 200
+    # the refused calls are still recorded, just never acknowledged
+    assert len(h.sink.turns) == 4
