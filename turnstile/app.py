@@ -24,16 +24,13 @@ from turnstile.journal import FileJournal, list_segments
 from turnstile.limits import ROLLOUT_SWEEP_INTERVAL_S, WRITER_JOIN_TIMEOUT_S
 from turnstile.proxy import Proxy
 from turnstile.recorder import Recorder
-from turnstile.recovery import apply_recovery, recover
+from turnstile.recovery import JOURNAL_DIR, apply_recovery, recover
 from turnstile.routes import add_routes, install_error_handlers
 from turnstile.settings import Settings, resolve_secret
 from turnstile.shards import ParquetShardSink, Sink
 from turnstile.tokenizer import LocalTokenizer
 
 log = logging.getLogger("turnstile")
-
-# The journal's directory under the output directory (local disk, never object storage).
-JOURNAL_DIR = "journal"
 
 # The start-up look at the backend's model list must not hold up start-up for long.
 MODEL_LIST_TIMEOUT_S = 5.0

@@ -197,7 +197,7 @@ class Proxy:
             raise Overloaded("Turnstile is shutting down", retry_after_s=5)
         self.recorder.admit()
         rollout, turn_index = self.registry.begin_turn(rollout_id)
-        request = {k: v for k, v in body.items()}
+        request = dict(body)  # the client's request, before the recording fields are added
         plan = plan_request(endpoint, body, self.top_logprobs)
         call = _Call(
             turn_id=uuid.uuid4().hex,

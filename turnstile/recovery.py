@@ -34,6 +34,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("turnstile.recovery")
 
+# The journal's directory under the output directory (local disk, never object storage).
+JOURNAL_DIR = "journal"
+
 
 @dataclass(slots=True)
 class RecoveredRollout:
@@ -58,7 +61,9 @@ class Recovered:
     published_rollouts: set[str] = field(default_factory=set)
 
 
-def _published(output: Path) -> tuple[set[tuple[str, int]], set[tuple[str, int]], set[str]]:
+def published_keys(output: Path) -> tuple[set[tuple[str, int]], set[tuple[str, int]], set[str]]:
+    """What the shards under `output` hold: (turn_id, choice) keys of turns,
+    (rollout_id, sample_index) keys of samples, and rollout ids."""
     reader = open_output(output)
     turns = reader.turns(columns=["turn_id", "choice_index"]) if reader.files("turns") else None
     samples = (
@@ -87,7 +92,7 @@ def recover(journal: Journal, output: Path) -> Recovered:
     frames = list(journal.replay())
     if not frames:
         return result
-    turn_keys, sample_keys, rollout_ids = _published(output)
+    turn_keys, sample_keys, rollout_ids = published_keys(output)
     result.published_samples, result.published_rollouts = sample_keys, rollout_ids
     seen_turns: set[tuple[str, int]] = set()
     for frame in frames:

@@ -18,7 +18,8 @@ import pyarrow.parquet as pq
 from turnstile.errors import BackendUnreachable
 from turnstile.journal import read_journal
 from turnstile.journal_codec import CodecError, EventKind, decode_turn
-from turnstile.reader import ShardFormatError, check_shard, open_output
+from turnstile.reader import ShardFormatError, check_shard
+from turnstile.recovery import JOURNAL_DIR, published_keys
 from turnstile.schema import SCHEMAS, TABLES
 from turnstile.settings import Settings
 
@@ -51,15 +52,14 @@ def verify(output: Path) -> VerifyReport:
                 report.rows[table] += pq.read_table(path).num_rows
             except (ShardFormatError, OSError, ValueError) as exc:
                 report.problems.append(f"{path}: {exc}")
-    journal_dir = output / "journal"
-    if journal_dir.is_dir():
-        published: set[tuple[str, int]] = set()
-        if report.rows.get("turns"):
-            turns = open_output(output).turns(columns=["turn_id", "choice_index"])
-            published = set(zip(turns["turn_id"].to_pylist(),
-                                turns["choice_index"].to_pylist(), strict=True))
-        for frame in read_journal(journal_dir):
-            report.journal_frames += 1
+    journal_dir = output / JOURNAL_DIR
+    frames = list(read_journal(journal_dir)) if journal_dir.is_dir() else []
+    report.journal_frames = len(frames)
+    if any(frame.kind == EventKind.TURN for frame in frames):
+        if report.problems:  # the shards cannot be compared with the journal
+            return report
+        published, _, _ = published_keys(output)
+        for frame in frames:
             if frame.kind != EventKind.TURN:
                 continue
             try:
