@@ -22,7 +22,7 @@ from turnstile.records import (
     TurnStatus,
 )
 from turnstile.schema import rollouts_table, samples_table, turns_table
-from turnstile.shards import Sink, SinkError
+from turnstile.shards import Sink, SinkError, SinkProgress
 
 
 @dataclass
@@ -76,6 +76,14 @@ class InMemorySink:
         if not self.closed:
             self.flush()
             self.closed = True
+
+    def progress(self) -> SinkProgress:
+        settled = {"turns": len(self.turns), "samples": len(self.samples),
+                   "rollouts": len(self.rollouts)}
+        accepted = {"turns": settled["turns"] + len(self.pending_turns),
+                    "samples": settled["samples"] + len(self.pending_samples),
+                    "rollouts": settled["rollouts"] + len(self.pending_rollouts)}
+        return SinkProgress(accepted, settled)
 
     def tables(self) -> dict[str, pa.Table]:
         """The published records as Arrow tables (checks they convert)."""

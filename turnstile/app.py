@@ -25,6 +25,7 @@ from turnstile.limits import ROLLOUT_SWEEP_INTERVAL_S, WRITER_JOIN_TIMEOUT_S
 from turnstile.proxy import Proxy
 from turnstile.recorder import Recorder
 from turnstile.recovery import JOURNAL_DIR, apply_recovery, recover
+from turnstile.retention import retain_forever
 from turnstile.routes import add_routes, install_error_handlers
 from turnstile.settings import Settings, resolve_secret
 from turnstile.shards import ParquetShardSink, Sink
@@ -98,7 +99,10 @@ def create_app(
         model = await _model_identity(backend)
         identity["turnstile.model"] = model or ""
         journal_dir = settings.output / JOURNAL_DIR
-        journal = await asyncio.to_thread(FileJournal, journal_dir, fsync=settings.fsync)
+        journal = await asyncio.to_thread(
+            FileJournal, journal_dir, fsync=settings.fsync,
+            segment_bytes=settings.journal_segment_bytes,
+        )
         recovered = await asyncio.to_thread(recover, journal, settings.output)
         apply_recovery(
             recovered, proxy, restore_open=settings.recover_open_rollouts == "restore"
@@ -106,6 +110,9 @@ def create_app(
         proxy.journal = journal
         recorder.start()
         sweeper = asyncio.ensure_future(_sweep(proxy))
+        retainer = asyncio.ensure_future(
+            retain_forever(proxy, settings.journal_retention_interval_s)
+        )
         log.info(
             "turnstile %s recording %s -> %s (model: %s)",
             __version__, settings.backend, settings.output, model or "unknown",
@@ -114,6 +121,7 @@ def create_app(
             yield
         finally:
             sweeper.cancel()
+            retainer.cancel()
             await _drain(proxy, settings.drain_timeout_s)
             sealed = proxy.registry.seal_all()
             await backend.aclose()

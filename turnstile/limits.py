@@ -43,6 +43,11 @@ SHARD_MAX_AGE_S = 30.0
 # How often the writer thread wakes to roll aged shards when idle.
 WRITER_TICK_S = 1.0
 
+# How often journal segments whose frames are all published are looked for and removed.
+# A 64 MiB segment fills in seconds at full load; looking every few seconds keeps the
+# journal within a few segments of what is unpublished, for a stat() per segment.
+JOURNAL_RETENTION_INTERVAL_S = 5.0
+
 # --- rollouts ----------------------------------------------------------------------------
 # An agent may think, run tools or wait on a sandbox for minutes between turns;
 # half an hour without a turn means the harness has gone away.

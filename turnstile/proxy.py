@@ -31,7 +31,7 @@ from turnstile.errors import (
     TurnstileError,
 )
 from turnstile.journal import Journal, JournalError
-from turnstile.journal_codec import Event, encode_event
+from turnstile.journal_codec import Event, PolicyVersionSet, encode_event
 from turnstile.jsontext import json_text
 from turnstile.recorder import Recorder, SealJob
 from turnstile.records import Timings, TokenSource, TurnRecord, TurnStatus
@@ -115,6 +115,8 @@ class Proxy:
         self.top_logprobs = top_logprobs
         self.policy_version = policy_version
         self.journal: Journal | None = None  # opened at start-up (turnstile.app)
+        self.policy_seq = 0  # the journal frame holding the policy version (0: none)
+        self.journal_segments_removed = 0
         self.registry = RolloutRegistry(self._on_seal, idle_timeout_s, self.journal_event)
         self.draining = False
         self.in_flight = 0
@@ -135,6 +137,19 @@ class Proxy:
         if self.journal is None:
             return
         await self.journal.wait_durable(self.journal.last_seq if seq is None else seq)
+
+    async def set_policy_version(self, version: int) -> None:
+        """Make `version` the policy version of new turns, durably (it survives a crash)."""
+        seq = self.journal_event(PolicyVersionSet(version, time.time()))
+        self.policy_version, self.policy_seq = version, seq
+        await self.durable(seq)
+
+    def retention_floor(self) -> int:
+        """The oldest journal frame still needed: by an open rollout, by work the writer
+        has not published yet, or (past everything) the next frame to be appended."""
+        assert self.journal is not None
+        floors = [self.journal.last_seq + 1, self.registry.oldest_seq(), self.recorder.oldest_pin]
+        return min(f for f in floors if f is not None)
 
     async def _acknowledge(self, call: _Call) -> None:
         if call.journal_error is not None:
@@ -167,7 +182,8 @@ class Proxy:
                 sealed_at=rollout.sealed_at or time.time(),
                 skip_samples=skip_samples,
                 skip_rollout=skip_rollout,
-            )
+            ),
+            pin=rollout.first_seq,
         )
 
     # -- completion calls ----------------------------------------------------------------
@@ -351,13 +367,15 @@ class Proxy:
         if self.in_flight == 0:
             self.idle.set()
         records = self._records(call, capture, status, error, http_status)
+        first: int | None = None
         try:
             for record in records:
                 call.seq = self.journal_event(record)
+                first = first or call.seq or None
         except JournalError as exc:  # not acknowledged; still recorded and released
             call.journal_error = exc
             log.error("journal append failed for rollout %s: %s", call.rollout.rollout_id, exc)
-        self.recorder.submit_turns(records)
+        self.recorder.submit_turns(records, pin=first)
         self.registry.end_turn(call.rollout, records)
 
     def _records(

@@ -6,6 +6,11 @@ returned none, stitches sealed rollouts into samples and writes everything to th
 Admission control happens before a request is sent to the backend (`admit`): when the
 backlog is full the client gets 503 with Retry-After, so nothing is ever accepted and
 then dropped. `stop` publishes everything received before returning.
+
+Journal retention: work may carry a *pin*, the sequence number of the oldest journal
+frame it needs. A pin is held from `submit_*` until every row the work produced is in
+a published shard (`Sink.progress`); `oldest_pin` is what the journal must keep. Work
+that fails keeps its pin for the life of the process, so its frames stay for recovery.
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,6 +84,8 @@ class Recorder:
         self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._backlog = 0
         self._lock = threading.Lock()
+        self._pins: dict[int, int] = {}  # journal seq -> pieces of work holding it
+        self._awaiting: deque[tuple[int, Mapping[str, int]]] = deque()  # writer thread only
         self._thread = threading.Thread(target=self._run, name="turnstile-writer", daemon=True)
         self.stats = RecorderStats()
         self.error: str | None = None
@@ -103,16 +111,30 @@ class Recorder:
                 f"the recorder is {self._backlog} items behind; retry shortly", retry_after_s=1
             )
 
-    def submit_turns(self, records: list[TurnRecord]) -> None:
+    def submit_turns(self, records: list[TurnRecord], pin: int | None = None) -> None:
+        """Queue turn rows; `pin` is the journal seq of the first of them, if journaled."""
         with self._lock:
             self._backlog += 1
             self.stats.turns_received += len(records)
-        self._queue.put(records)
+            self._hold(pin)
+        self._queue.put((records, pin))
 
-    def submit_seal(self, job: SealJob) -> None:
+    def submit_seal(self, job: SealJob, pin: int | None = None) -> None:
+        """Queue a sealed rollout; `pin` is the journal seq of its first frame."""
         with self._lock:
             self._backlog += 1
-        self._queue.put(job)
+            self._hold(pin)
+        self._queue.put((job, pin))
+
+    @property
+    def oldest_pin(self) -> int | None:
+        """The oldest journal frame that queued or unpublished work still needs."""
+        with self._lock:
+            return min(self._pins) if self._pins else None
+
+    def _hold(self, pin: int | None) -> None:
+        if pin is not None:
+            self._pins[pin] = self._pins.get(pin, 0) + 1
 
     def stop(self, timeout_s: float) -> bool:
         """Publish everything received, then close the sink; False if it timed out."""
@@ -127,34 +149,60 @@ class Recorder:
                 try:
                     item = self._queue.get(timeout=self._tick_s)
                 except queue.Empty:
-                    self._guard(self._sink.maybe_roll, time.time())
+                    self._roll()
                     continue
                 if item is _STOP:
                     break
-                if isinstance(item, SealJob):
-                    self._guard(self._write_seal, item)
-                elif isinstance(item, list):
-                    self._guard(self._write_turns, item)
+                assert isinstance(item, tuple)
+                work, pin = item
+                if isinstance(work, SealJob):
+                    ok = self._guard(self._write_seal, work)
+                else:
+                    ok = self._guard(self._write_turns, work)
+                if pin is not None and ok:
+                    self._awaiting.append((pin, self._sink.progress().accepted))
                 with self._lock:
                     self._backlog -= 1
-                self._guard(self._sink.maybe_roll, time.time())
+                self._roll()
         finally:
             try:
                 self._sink.close()
             except Exception as exc:
                 self.error = f"closing the sink failed: {exc}"
                 log.exception("closing the sink failed")
+            else:
+                self._release()
 
-    def _guard(self, fn: Callable[[Any], None], arg: object) -> None:
+    def _roll(self) -> None:
+        self._guard(self._sink.maybe_roll, time.time())
+        if self._awaiting:
+            self._release()
+
+    def _release(self) -> None:
+        """Drop the pins of work whose rows are all published."""
+        progress = self._sink.progress()
+        released = []
+        while self._awaiting and progress.covers(self._awaiting[0][1]):
+            released.append(self._awaiting.popleft()[0])
+        if released:
+            with self._lock:
+                for pin in released:
+                    if self._pins[pin] == 1:
+                        del self._pins[pin]
+                    else:
+                        self._pins[pin] -= 1
+
+    def _guard(self, fn: Callable[[Any], None], arg: object) -> bool:
         try:
             fn(arg)
         except Exception as exc:
             self.error = str(exc)
             log.exception("recording failed")
-        else:
-            if self.error is not None:
-                log.info("recording recovered after: %s", self.error)
-                self.error = None
+            return False
+        if self.error is not None:
+            log.info("recording recovered after: %s", self.error)
+            self.error = None
+        return True
 
     def _write_turns(self, records: list[TurnRecord]) -> None:
         for record in records:

@@ -6,6 +6,11 @@ published shards by key (turn id and choice, rollout id and sample index, rollou
 and returns exactly what is missing: turns to write, sealed rollouts to stitch again
 (with the samples or the rollout row already published left out), and the rollouts
 that were still open, to be restored. Published rows are never written twice.
+
+Retention (`turnstile.retention`) removes a rollout's first frame only once the whole
+rollout is published, so a rollout whose creation frame is gone is complete in the
+shards: its remaining frames are checked turn by turn and it is not stitched again.
+Everything handed back to the recorder is pinned to the frames it came from.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ JOURNAL_DIR = "journal"
 @dataclass(slots=True)
 class RecoveredRollout:
     rollout_id: str
+    first_seq: int
     created: RolloutCreated | None = None
     rewards: dict[str, Reward] = field(default_factory=dict)
     turns: list[TurnRecord] = field(default_factory=list)
@@ -54,7 +60,10 @@ class Recovered:
     frames: int = 0
     undecodable: int = 0
     policy_version: int | None = None
+    policy_seq: int = 0
     unpublished_turns: list[TurnRecord] = field(default_factory=list)
+    unpublished_first_seq: int | None = None
+    retired_rollouts: int = 0  # published in full, their first frames already removed
     open_rollouts: list[RecoveredRollout] = field(default_factory=list)
     sealed_rollouts: list[RecoveredRollout] = field(default_factory=list)
     published_samples: set[tuple[str, int]] = field(default_factory=set)
@@ -104,9 +113,11 @@ def recover(journal: Journal, output: Path) -> Recovered:
             log.error("journal frame %d cannot be decoded: %s", frame.seq, exc)
             continue
         if isinstance(event, PolicyVersionSet):
-            result.policy_version = event.policy_version
+            result.policy_version, result.policy_seq = event.policy_version, frame.seq
             continue
-        state = rollouts.setdefault(event.rollout_id, RecoveredRollout(event.rollout_id))
+        state = rollouts.get(event.rollout_id)
+        if state is None:
+            state = rollouts[event.rollout_id] = RecoveredRollout(event.rollout_id, frame.seq)
         if isinstance(event, TurnRecord):
             key = (event.turn_id, event.choice_index)
             if key in seen_turns:
@@ -115,6 +126,8 @@ def recover(journal: Journal, output: Path) -> Recovered:
             state.turns.append(event)
             if key not in turn_keys:
                 result.unpublished_turns.append(event)
+                if result.unpublished_first_seq is None:
+                    result.unpublished_first_seq = frame.seq
         elif isinstance(event, RolloutCreated):
             state.created = event
         elif isinstance(event, RewardsPosted):
@@ -123,7 +136,9 @@ def recover(journal: Journal, output: Path) -> Recovered:
         elif isinstance(event, RolloutSealed):
             state.sealed = event
     for state in rollouts.values():
-        if state.sealed is None:
+        if state.created is None:
+            result.retired_rollouts += 1
+        elif state.sealed is None:
             result.open_rollouts.append(state)
         else:
             result.sealed_rollouts.append(state)
@@ -135,9 +150,11 @@ def apply_recovery(recovered: Recovered, proxy: Proxy, *, restore_open: bool = T
     if not recovered.frames:
         return
     if recovered.policy_version is not None:
-        proxy.policy_version = recovered.policy_version
+        proxy.policy_version, proxy.policy_seq = recovered.policy_version, recovered.policy_seq
     if recovered.unpublished_turns:
-        proxy.recorder.submit_turns(recovered.unpublished_turns)
+        proxy.recorder.submit_turns(
+            recovered.unpublished_turns, pin=recovered.unpublished_first_seq
+        )
     for state in recovered.open_rollouts:
         proxy.registry.restore(_rollout(state))
     if not restore_open:
@@ -151,9 +168,9 @@ def apply_recovery(recovered: Recovered, proxy: Proxy, *, restore_open: bool = T
         proxy.hand_over(rollout, skip_samples=skip, skip_rollout=skip_rollout)
     log.info(
         "recovered %d journal frames: %d turns republished, %d open rollouts restored, "
-        "%d sealed rollouts re-stitched, %d undecodable frames",
+        "%d sealed rollouts re-stitched, %d already published, %d undecodable frames",
         recovered.frames, len(recovered.unpublished_turns), len(recovered.open_rollouts),
-        len(recovered.sealed_rollouts), recovered.undecodable,
+        len(recovered.sealed_rollouts), recovered.retired_rollouts, recovered.undecodable,
     )
 
 
@@ -166,6 +183,7 @@ def _rollout(state: RecoveredRollout) -> Rollout:
         metadata=created.metadata if created else None,
         implicit=created.implicit if created else False,
     )
+    rollout.first_seq = state.first_seq
     if created is not None:
         rollout.created_at = created.created_at
     rollout.rewards = dict(state.rewards)

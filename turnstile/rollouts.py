@@ -55,6 +55,7 @@ class Rollout:
     handed_over: bool = False
     num_turns: int = 0
     policy_versions: set[int] = field(default_factory=set)
+    first_seq: int | None = None  # the journal frame that created it (kept until published)
 
     @property
     def sealed(self) -> bool:
@@ -105,6 +106,42 @@ class RolloutRegistry:
     def open_count(self) -> int:
         return len(self._open)
 
+    def oldest_seq(self) -> int | None:
+        """The oldest journal frame an open (not yet handed over) rollout needs."""
+        seqs = [r.first_seq for r in self._open.values() if r.first_seq is not None]
+        return min(seqs) if seqs else None
+
+    def older_than(self, seq: int) -> list[Rollout]:
+        """Open rollouts that need journal frames before `seq`."""
+        return [r for r in self._open.values() if r.first_seq is not None and r.first_seq < seq]
+
+    def checkpoint(self, rollout: Rollout) -> None:
+        """Journal the rollout's whole state again, so its older frames can be removed.
+
+        Replaying a checkpoint is idempotent: recovery keeps one copy of each turn and the
+        latest creation, rewards and seal, so old and new frames may coexist.
+        """
+        if self.on_event is None:
+            return
+        rid = rollout.rollout_id
+        seq = self.on_event(
+            RolloutCreated(rid, rollout.group_id, rollout.task_id, rollout.metadata,
+                           rollout.implicit, rollout.created_at)
+        )
+        if rollout.rewards:
+            self.on_event(
+                RewardsPosted(
+                    rid,
+                    {r.name: r.value for r in rollout.rewards.values()},
+                    {r.name: r.info for r in rollout.rewards.values()},
+                )
+            )
+        for turn in rollout.turns:
+            self.on_event(turn)
+        if rollout.sealed:
+            self.on_event(RolloutSealed(rid, rollout.status, rollout.sealed_at or time.time()))
+        rollout.first_seq = seq or None
+
     def create(
         self,
         rollout_id: str | None = None,
@@ -118,11 +155,12 @@ class RolloutRegistry:
         if rid in self._open or rid in self._sealed:
             raise Conflict(f"rollout {rid!r} already exists", param="rollout_id")
         rollout = Rollout(rid, group_id, task_id, metadata, implicit)
-        self._open[rid] = rollout
-        if self.on_event is not None:
-            self.on_event(
+        if self.on_event is not None:  # journaled first: a failed append creates nothing
+            seq = self.on_event(
                 RolloutCreated(rid, group_id, task_id, metadata, implicit, rollout.created_at)
             )
+            rollout.first_seq = seq or None
+        self._open[rid] = rollout
         return rollout
 
     def restore(self, rollout: Rollout) -> None:

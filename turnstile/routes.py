@@ -215,7 +215,7 @@ def add_routes(router: APIRouter, proxy: Proxy, max_body: int) -> None:
             "status": "ok" if ok else ("draining" if proxy.draining else "unhealthy"),
             "recorder": {"healthy": recorder.healthy, "error": recorder.error,
                          "backlog": recorder.backlog},
-            "journal": {"healthy": journal_ok},
+            "journal": {"healthy": journal_ok, **_journal_usage(proxy)},
             "open_rollouts": proxy.registry.open_count,
         }
         return JSONResponse(body, status_code=200 if ok else 503)
@@ -235,6 +235,7 @@ def add_routes(router: APIRouter, proxy: Proxy, max_body: int) -> None:
             "in_flight": proxy.in_flight,
             "backlog": proxy.recorder.backlog,
             "policy_version": proxy.policy_version,
+            "journal": _journal_usage(proxy),
         }
 
     @router.post("/rollouts", status_code=201, tags=["rollouts"])
@@ -274,7 +275,7 @@ def add_routes(router: APIRouter, proxy: Proxy, max_body: int) -> None:
 
     @router.post("/admin/policy_version", tags=["admin"])
     async def set_policy_version(body: PolicyVersion) -> dict[str, int]:
-        proxy.policy_version = body.policy_version
+        await proxy.set_policy_version(body.policy_version)
         log.info("policy version set to %d", body.policy_version)
         return {"policy_version": proxy.policy_version}
 
@@ -332,3 +333,12 @@ def install_error_handlers(app: FastAPI) -> None:
         log.exception("unexpected error on %s %s", request.method, request.url.path)
         return error_response(TurnstileError("internal error in Turnstile"))
 
+
+def _journal_usage(proxy: Proxy) -> dict[str, int]:
+    """Segments kept, their bytes, and segments removed once published (this run)."""
+    segments = proxy.journal.segments() if proxy.journal is not None else []
+    return {
+        "segments": len(segments),
+        "bytes": sum(s.size_bytes for s in segments),
+        "segments_removed": proxy.journal_segments_removed,
+    }

@@ -26,6 +26,7 @@ from pydantic import (
 )
 
 from turnstile import limits
+from turnstile.journal import DEFAULT_SEGMENT_BYTES
 
 ENV_PREFIX = "TURNSTILE_"
 
@@ -81,6 +82,13 @@ class Settings(BaseModel):
     # Rollouts a crashed run left open: restored (the harness may go on with them) or
     # sealed as "interrupted" at start-up.
     recover_open_rollouts: Literal["restore", "interrupt"] = "restore"
+    # The journal rolls to a new segment file past this size; whole segments are removed
+    # once every frame in them is in a published shard (checked every
+    # journal_retention_interval_s).
+    journal_segment_bytes: int = Field(default=DEFAULT_SEGMENT_BYTES, gt=0)
+    journal_retention_interval_s: float = Field(
+        default=limits.JOURNAL_RETENTION_INTERVAL_S, gt=0
+    )
     recorder_queue_size: int = Field(default=limits.RECORDER_QUEUE_SIZE, gt=0)
     shard_max_rows: int = Field(default=limits.SHARD_MAX_ROWS, gt=0)
     shard_max_age_s: float = Field(default=limits.SHARD_MAX_AGE_S, gt=0)

@@ -94,6 +94,29 @@ class Sink(Protocol):
         """Flush, then refuse further writes."""
         ...
 
+    def progress(self) -> SinkProgress:
+        """Rows accepted and rows settled per table, counted since the sink was opened."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class SinkProgress:
+    """How far a sink has got, per table, as row counts since it was opened.
+
+    Rows are published in the order they were written, so every row written while
+    `accepted[t]` was N is published once `settled[t] >= N`. Settled rows are published,
+    or (never retried) dropped because they could not be converted to Arrow; the sink's
+    error says so. The recorder uses this to tell when the journal frames behind a
+    record may be removed.
+    """
+
+    accepted: Mapping[str, int]
+    settled: Mapping[str, int]
+
+    def covers(self, marks: Mapping[str, int]) -> bool:
+        """Whether every row counted in `marks` (an earlier `accepted`) is settled."""
+        return all(self.settled.get(t, 0) >= n for t, n in marks.items())
+
 
 _Builder = Callable[..., pa.Table]
 _BUILDERS: Final[Mapping[TableName, _Builder]] = {
@@ -171,6 +194,8 @@ class ParquetShardSink:
         self._closed = False
         self.shards_published = 0
         self.rows_published: dict[TableName, int] = dict.fromkeys(TABLES, 0)
+        self._accepted: dict[str, int] = dict.fromkeys(TABLES, 0)
+        self._settled: dict[str, int] = dict.fromkeys(TABLES, 0)
         self._staging = self.output_dir / STAGING_DIR
         schema_metadata("turns", {**identity, META_WRITER: writer_id})  # ValueError if invalid
         try:
@@ -239,6 +264,9 @@ class ParquetShardSink:
         finally:
             self._closed = True
 
+    def progress(self) -> SinkProgress:
+        return SinkProgress(dict(self._accepted), dict(self._settled))
+
     # ------------------------------------------------------------ internals
 
     @property
@@ -256,6 +284,7 @@ class ParquetShardSink:
             return
         buffer = self._buffers[table]
         buffer.records.extend(records)
+        self._accepted[table] += len(records)
         if buffer.oldest is None:
             buffer.oldest = time.time()
         while len(buffer.records) >= self.max_rows:
@@ -280,6 +309,7 @@ class ParquetShardSink:
             arrow = _BUILDERS[table](chunk, identity=identity)
         except (ValueError, TypeError, AttributeError, OverflowError, pa.ArrowException) as e:
             self._consume(buffer, len(chunk))
+            self._settled[table] += len(chunk)
             raise SinkError(
                 f"cannot convert {len(chunk)} {table} records to Arrow; they are dropped: {e}"
             ) from e
@@ -291,9 +321,11 @@ class ParquetShardSink:
             try:
                 fsync_path(final.parent)
             except OSError as e:
+                # Not settled: the journal keeps these rows until a restart re-publishes.
                 raise SinkError(
                     f"published {final} but cannot sync its directory: {_describe(e)}"
                 ) from e
+        self._settled[table] += len(chunk)
 
     def _shard_identity(self) -> dict[str, str]:
         identity = {**self._identity, META_WRITER: self.writer_id}

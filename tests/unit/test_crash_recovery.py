@@ -96,7 +96,10 @@ class Proxy:
         self.url = f"http://127.0.0.1:{self.port}"
         self.cmd = [sys.executable, "-m", "turnstile", "serve", "--backend", backend,
                     "--output", str(output), "--port", str(self.port), "--log-level", "warning"]
-        self.env = {**os.environ, "TURNSTILE_SHARD_MAX_AGE_S": "0.3"}
+        # Small segments and frequent retention: segments are removed during every life.
+        self.env = {**os.environ, "TURNSTILE_SHARD_MAX_AGE_S": "0.3",
+                    "TURNSTILE_JOURNAL_SEGMENT_BYTES": "65536",
+                    "TURNSTILE_JOURNAL_RETENTION_INTERVAL_S": "0.1"}
         self.log_path = output.parent / "proxy.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -115,6 +118,14 @@ class Proxy:
                 err = self.log_path.read_text(errors="replace")
                 raise AssertionError(f"turnstile serve did not start: {err[-3000:]}")
             time.sleep(0.05)
+
+    def segments_removed(self) -> int:
+        """Journal segments this life has removed so far (0 if it does not answer)."""
+        try:
+            return int(httpx.get(self.url + "/stats", timeout=1).json()["journal"][
+                "segments_removed"])
+        except (httpx.HTTPError, KeyError, ValueError):
+            return 0
 
     def kill(self) -> None:
         assert self.proc is not None
@@ -189,9 +200,11 @@ def test_kill_9_loses_no_acknowledged_turn(backend_url: str, tmp_path: Path) -> 
     for t in threads:
         t.start()
     rng = random.Random(1234)
+    removed = 0
     try:
         for _ in range(KILLS):
             time.sleep(rng.uniform(*LIFE_S))
+            removed += proxy.segments_removed()
             proxy.kill()
             proxy.start()
         time.sleep(0.5)
@@ -221,11 +234,13 @@ def test_kill_9_loses_no_acknowledged_turn(backend_url: str, tmp_path: Path) -> 
         f"crash test: {KILLS} kills, {rollouts_done[0]} rollouts, {len(acked)} turns "
         f"acknowledged, {sum(1 for k in acked if k in recorded)} recovered, "
         f"{len(doubled)} duplicated, {len(missing)} missing, "
-        f"{len(recorded) - len(acked & recorded.keys())} unacknowledged turns also kept"
+        f"{len(recorded) - len(acked & recorded.keys())} unacknowledged turns also kept, "
+        f"{removed} journal segments removed while running"
     )
     assert not missing, f"acknowledged turns lost: {sorted(missing)[:10]}"
     assert not doubled, f"acknowledged turns recorded twice: {doubled[:10]}"
     assert len(acked) > KILLS * 5
+    assert removed > 0, "retention never ran: the test would not cover it"
     assert not list((out / "journal").glob("*.wal")), "journal left after a clean stop"
 
 
