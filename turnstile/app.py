@@ -17,7 +17,7 @@ import orjson
 from fastapi import FastAPI
 
 from turnstile import __version__
-from turnstile.auth import AuthMiddleware
+from turnstile.auth import AuthMiddleware, RolloutKeys
 from turnstile.backend import AiohttpBackend, Backend, Timeouts
 from turnstile.errors import TurnstileError
 from turnstile.journal import FileJournal, list_segments
@@ -146,11 +146,15 @@ def create_app(
     app.state.proxy = proxy
     client_keys = [k for k in map(resolve_secret, settings.api_key_env) if k]
     admin_key = resolve_secret(settings.admin_api_key_env)
+    rollout_keys = RolloutKeys(client_keys) if client_keys else None
     app.add_middleware(
-        AuthMiddleware, client_keys=client_keys, admin_keys=[admin_key] if admin_key else []
+        AuthMiddleware,
+        client_keys=client_keys,
+        admin_keys=[admin_key] if admin_key else [],
+        rollout_keys=rollout_keys,
     )
     install_error_handlers(app)
-    add_routes(app.router, proxy, settings.max_request_body_bytes)
+    add_routes(app.router, proxy, settings.max_request_body_bytes, rollout_keys)
     return app
 
 

@@ -8,6 +8,7 @@ status the client gets and an OpenAI-compatible `type`:
     ├── BadRequest (400, invalid_request_error)
     │   └── PayloadTooLarge (413)
     ├── Unauthorized (401, authentication_error)
+    ├── Forbidden (403, permission_error)       a rollout key used on another rollout
     ├── NotFound (404, not_found_error)
     ├── Conflict (409, conflict_error)          e.g. a turn on a sealed rollout
     ├── Unprocessable (422, invalid_request_error)
@@ -70,6 +71,13 @@ class PayloadTooLarge(BadRequest):
 class Unauthorized(TurnstileError):
     status = 401
     error_type = "authentication_error"
+
+
+class Forbidden(TurnstileError):
+    """A valid key used outside its scope (a rollout key on another rollout)."""
+
+    status = 403
+    error_type = "permission_error"
 
 
 class NotFound(TurnstileError):

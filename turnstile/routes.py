@@ -29,6 +29,7 @@ from turnstile.errors import (
     Unprocessable,
 )
 from turnstile.jsontext import json_text
+from turnstile.auth import RolloutKeys
 from turnstile.proxy import Proxy, Relay, StreamRelay
 from turnstile.rollouts import check_rollout_id
 
@@ -172,7 +173,9 @@ def _info_text(info: dict[str, Any]) -> dict[str, str | None]:
     return {k: v if isinstance(v, str) or v is None else json_text(v) for k, v in info.items()}
 
 
-def add_routes(router: APIRouter, proxy: Proxy, max_body: int) -> None:
+def add_routes(
+    router: APIRouter, proxy: Proxy, max_body: int, rollout_keys: RolloutKeys | None = None
+) -> None:
     """Add Turnstile's routes to `router` (the app's own, so the route table is flat)."""
 
     async def completion(request: Request, endpoint: str, rollout_id: str | None) -> Response:
@@ -247,6 +250,8 @@ def add_routes(router: APIRouter, proxy: Proxy, max_body: int) -> None:
         base = str(request.base_url).rstrip("/")
         out = rollout.summary()
         out["base_url"] = f"{base}/rollouts/{rollout.rollout_id}/v1"
+        # A key for this rollout only (when keys are required): hand it to the harness.
+        out["api_key"] = rollout_keys.mint(rollout.rollout_id) if rollout_keys else None
         return out
 
     @router.get("/rollouts/{rollout_id}", tags=["rollouts"])

@@ -99,3 +99,61 @@ def test_refuses_open_non_loopback_bind_and_empty_keys(
     monkeypatch.setenv("TS_EMPTY", "")
     with pytest.raises(SettingsError, match="empty"):
         make_app(api_key_env=["TS_EMPTY"])
+
+
+@pytest.mark.parametrize("separate_admin", [True, False])
+def test_rollout_keys_open_their_own_rollout_only(
+    make_app: MakeApp, monkeypatch: pytest.MonkeyPatch, separate_admin: bool
+) -> None:
+    monkeypatch.setenv("TS_KEY_A", KEY)
+    monkeypatch.setenv("TS_ADMIN", ADMIN)
+    h = make_app(api_key_env=["TS_KEY_A"],
+                 admin_api_key_env="TS_ADMIN" if separate_admin else None)
+    client_auth = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    with TestClient(h.app) as client:
+        mine = client.post("/rollouts", json={"rollout_id": "mine"}, headers=client_auth).json()
+        client.post("/rollouts", json={"rollout_id": "theirs"}, headers=client_auth)
+        key = mine["api_key"]
+        assert key.startswith("tsr_mine.") and KEY not in key
+        auth = {"Authorization": f"Bearer {key}"}
+        # its own rollout: chat under the rollout path, via the header, state and finish
+        assert client.post("/rollouts/mine/v1/chat/completions", json=body,
+                           headers=auth).status_code == 200
+        assert client.post("/v1/chat/completions", json=body,
+                           headers={**auth, "X-Turnstile-Rollout": "mine"}).status_code == 200
+        assert client.get("/rollouts/mine", headers=auth).json()["num_turns"] == 2
+        # anything else: 403, and nothing reaches the backend or the rollout
+        calls = len(h.backend.requests)
+        refused = [
+            client.post("/rollouts/theirs/v1/chat/completions", json=body, headers=auth),
+            client.post("/v1/chat/completions", json=body,
+                        headers={**auth, "X-Turnstile-Rollout": "theirs"}),
+            client.post("/v1/chat/completions", json=body, headers=auth),  # implicit rollout
+            client.post("/rollouts/mine/rewards", json={"rewards": {"ok": 1.0}}, headers=auth),
+            client.post("/rollouts/theirs/finish", headers=auth),
+            client.post("/admin/policy_version", json={"policy_version": 3}, headers=auth),
+            client.post("/rollouts", json={"rollout_id": "new"}, headers=auth),
+            client.get("/stats", headers=auth),
+            client.get("/v1/models", headers=auth),
+        ]
+        for resp in refused:
+            assert resp.status_code == 403, (resp.request.url, resp.status_code)
+            assert resp.json()["error"]["type"] == "permission_error"
+        assert len(h.backend.requests) == calls
+        assert client.get("/rollouts/theirs", headers=client_auth).json()["num_turns"] == 0
+        # a forged or tampered key is simply invalid
+        forged = "tsr_theirs." + key.rpartition(".")[2]
+        assert client.post("/rollouts/theirs/finish",
+                           headers={"Authorization": f"Bearer {forged}"}).status_code == 401
+        assert client.post("/rollouts/mine/finish", headers=auth).json()["status"] == "finished"
+    # keys derive from the client keys: the same keys mint the same rollout key
+    again = make_app(api_key_env=["TS_KEY_A"])
+    with TestClient(again.app) as client:
+        assert client.post("/rollouts", json={"rollout_id": "mine"},
+                           headers=client_auth).json()["api_key"] == key
+
+
+def test_no_rollout_key_without_client_keys(make_app: MakeApp) -> None:
+    with TestClient(make_app().app) as client:
+        assert client.post("/rollouts", json={"rollout_id": "r"}).json()["api_key"] is None
