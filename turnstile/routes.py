@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import JSONResponse, Response
 from starlette.types import Message, Receive, Scope, Send
 
+from turnstile.auth import RolloutKeys
 from turnstile.capture import CHAT, COMPLETIONS
 from turnstile.errors import (
     BadRequest,
@@ -29,7 +30,6 @@ from turnstile.errors import (
     Unprocessable,
 )
 from turnstile.jsontext import json_text
-from turnstile.auth import RolloutKeys
 from turnstile.proxy import Proxy, Relay, StreamRelay
 from turnstile.rollouts import check_rollout_id
 
