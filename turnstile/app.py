@@ -20,6 +20,7 @@ from turnstile import __version__
 from turnstile.auth import AuthMiddleware, RolloutKeys
 from turnstile.backend import AiohttpBackend, Backend, Timeouts
 from turnstile.errors import TurnstileError
+from turnstile.fastpath import CompletionFastPath
 from turnstile.journal import FileJournal, list_segments
 from turnstile.limits import ROLLOUT_SWEEP_INTERVAL_S, WRITER_JOIN_TIMEOUT_S
 from turnstile.proxy import Proxy
@@ -27,6 +28,7 @@ from turnstile.recorder import Recorder
 from turnstile.recovery import JOURNAL_DIR, apply_recovery, recover
 from turnstile.retention import retain_forever
 from turnstile.routes import add_routes, install_error_handlers
+from turnstile.runtime import tune_gc
 from turnstile.settings import Settings, resolve_secret
 from turnstile.shards import ParquetShardSink, Sink
 from turnstile.tokenizer import LocalTokenizer
@@ -117,6 +119,7 @@ def create_app(
             "turnstile %s recording %s -> %s (model: %s)",
             __version__, settings.backend, settings.output, model or "unknown",
         )
+        tune_gc()  # start-up garbage is done: keep the collector off the hot path
         try:
             yield
         finally:
@@ -147,6 +150,10 @@ def create_app(
     client_keys = [k for k in map(resolve_secret, settings.api_key_env) if k]
     admin_key = resolve_secret(settings.admin_api_key_env)
     rollout_keys = RolloutKeys(client_keys) if client_keys else None
+    # Added first, so it runs inside authentication (the last added runs outermost).
+    app.add_middleware(
+        CompletionFastPath, proxy=proxy, max_body=settings.max_request_body_bytes
+    )
     app.add_middleware(
         AuthMiddleware,
         client_keys=client_keys,

@@ -14,13 +14,17 @@ recovers it (truncating a torn or corrupt tail of the last segment) and then wri
 a fresh segment. Segments are removed only by `remove_through`, once the caller has
 published their records elsewhere.
 
-Policies: `always` writes and fsyncs as soon as anything is queued (appends that arrive
-during an fsync share the next one); `interval` does the same but starts a commit no
-sooner than `interval_s` after the previous one ended, so an idle journal commits at
-once and a busy one gathers larger groups with fewer fsyncs; `never` only writes
-(survives a process crash, not a power loss). A failed write is truncated away and its
-frames fail; a failed fsync fails the journal for good (the kernel may have dropped the
-dirty pages), so it must be reopened, which re-reads what is really on disk.
+Policies decide when a frame counts as durable (when `wait_durable` returns):
+- `always`: once written and fsynced. Appends queued meanwhile share the next write and
+  fsync (group commit). Survives a process crash and a power loss.
+- `interval` (the default): once written to the file (the kernel's page cache), which
+  a process crash (`kill -9`, OOM) cannot undo; the file is fsynced at most `interval_s`
+  after its first unsynced write, so a power loss loses at most the frames
+  acknowledged in that window. Acknowledging costs one write(), not an fsync.
+- `never`: once written; syncing is left to the OS. Survives a process crash only.
+A failed write is truncated away and its frames fail; a failed fsync fails the journal
+for good (the kernel may have dropped the dirty pages), so it must be reopened, which
+re-reads what is really on disk.
 """
 
 from __future__ import annotations
@@ -45,15 +49,16 @@ from typing import BinaryIO, Literal, Protocol
 
 from turnstile.errors import Overloaded
 from turnstile.fsutil import fsync_path
+from turnstile.runtime import name_thread
 
 FsyncPolicy = Literal["always", "interval", "never"]
 
-# Group commit window of `interval`: an fsync costs ~0.1-2 ms on NVMe and up to ~10 ms on
-# network block storage; at most one commit per 5 ms caps fsyncs at 200/s (IOPS-priced
-# volumes), lets every turn that ends meanwhile share it, and is far below the seconds a
-# generation takes, so clients do not notice the delay.
+# The power-loss window of `interval`: at most this long between a frame's write and its
+# fsync. 5 ms caps fsyncs at 200/s (IOPS-priced volumes allow that), and a power loss
+# then loses at most the last 5 ms of acknowledged turns, which a trainer's run loses
+# anyway to the GPUs going down with it.
 DEFAULT_GROUP_COMMIT_S = 0.005
-# Durable before acknowledgement, at a fraction of the fsyncs of `always`.
+# Acknowledged turns survive any process crash; acknowledging never waits for an fsync.
 DEFAULT_FSYNC_POLICY: FsyncPolicy = "interval"
 # ~1300 turns of 50 KB: few files and rare directory fsyncs, yet a published segment
 # frees its disk space soon after its turns reach a shard.
@@ -308,7 +313,9 @@ class FileJournal:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self._policy: FsyncPolicy = fsync
-        self._sync = fsync != "never"
+        self._sync = fsync != "never"  # fsync files and directories at all
+        self._sync_each = fsync == "always"  # fsync before a frame counts as durable
+        self._dirty_since: float | None = None  # interval: first write not yet fsynced
         self._interval_s = interval_s
         self._segment_bytes = segment_bytes
         self._max_pending = max_pending_bytes
@@ -330,7 +337,6 @@ class FileJournal:
         self._last_batch_failed = False
         self._pending: list[_Pending] = []
         self._pending_bytes = 0
-        self._last_commit_at = 0.0  # monotonic time the previous commit ended
         self._waiters: list[_Waiter] = []
         self._tiebreak = itertools.count()
         self._closing = False
@@ -441,18 +447,34 @@ class FileJournal:
 
     # -- the committer thread --------------------------------------------------------------
     def _run(self) -> None:
+        name_thread("ts-journal")
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: bool(self._pending) or self._closing)
-                if not self._pending:
-                    return
-                if self._policy == "interval":
-                    deadline = self._last_commit_at + self._interval_s
-                    while not self._closing and (left := deadline - time.monotonic()) > 0:
-                        self._cond.wait(left)
+                while not self._pending and not self._closing:
+                    if self._dirty_since is None:
+                        self._cond.wait()
+                        continue
+                    left = self._dirty_since + self._interval_s - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
                 batch, self._pending, self._pending_bytes = self._pending, [], 0
-            self._commit_batch(batch)
-            self._last_commit_at = time.monotonic()
+                closing = self._closing
+            if batch:
+                self._commit_batch(batch)
+            dirty = self._dirty_since
+            if dirty is not None and (closing or time.monotonic() - dirty >= self._interval_s):
+                self._sync_written()
+            if closing and not batch:
+                return
+
+    def _sync_written(self) -> None:
+        """`interval`: fsync what was written since the last fsync."""
+        self._dirty_since = None
+        try:
+            os.fsync(self._fd)
+        except OSError as exc:
+            self._decide(self._decided_seq, _journal_error("fsync", exc), fatal=True)
 
     def _commit_batch(self, batch: list[_Pending]) -> None:
         i = 0
@@ -497,15 +519,24 @@ class FileJournal:
             self._decide(batch_end, error)
             return False
         self._active_size = start + len(data)
-        if self._sync:
+        if self._sync_each:
             try:
                 os.fsync(self._fd)
             except OSError as exc:
                 self._decide(batch_end, _journal_error("fsync", exc), fatal=True)
                 return False
+        elif self._sync and self._dirty_since is None:
+            self._dirty_since = time.monotonic()
         return True
 
     def _roll(self, segment_id: int) -> None:
+        if self._fd >= 0 and self._dirty_since is not None:
+            self._dirty_since = None
+            try:
+                os.fsync(self._fd)  # the old segment's tail, before its descriptor goes
+            except OSError as exc:
+                self._decide(self._decided_seq, _journal_error("fsync", exc), fatal=True)
+                raise
         with self._seg_lock:
             if self._fd >= 0:
                 os.close(self._fd)

@@ -30,6 +30,7 @@ import orjson
 from turnstile.errors import Overloaded
 from turnstile.limits import WRITER_TICK_S
 from turnstile.records import RolloutRecord, TokenSource, TurnRecord, TurnStatus
+from turnstile.runtime import name_thread
 from turnstile.shards import Sink
 from turnstile.stitch import RolloutInfo, stitch
 from turnstile.tokenizer import LocalTokenizer
@@ -144,6 +145,7 @@ class Recorder:
 
     # -- writer thread -------------------------------------------------------------------
     def _run(self) -> None:
+        name_thread("ts-writer")
         try:
             while True:
                 try:

@@ -75,9 +75,10 @@ class Settings(BaseModel):
     max_request_body_bytes: int = Field(default=limits.MAX_REQUEST_BODY_BYTES, gt=0)
     backend_pool_size: int = Field(default=limits.BACKEND_POOL_SIZE, gt=0)
 
-    # When an acknowledged turn is on disk: "always" fsyncs before every acknowledgement
-    # (survives power loss), "interval" group-commits within a few ms (same guarantee,
-    # fewer fsyncs under load), "never" leaves it to the OS (survives a process crash).
+    # When a turn counts as safe before it is acknowledged: "always" fsyncs it first
+    # (survives power loss); "interval" writes it first and fsyncs within 5 ms (survives
+    # any process crash; a power loss loses at most the last 5 ms); "never" writes it
+    # and leaves syncing to the OS (survives a process crash).
     fsync: Literal["always", "interval", "never"] = "interval"
     # Rollouts a crashed run left open: restored (the harness may go on with them) or
     # sealed as "interrupted" at start-up.
