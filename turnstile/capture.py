@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from turnstile import sparse
 from turnstile.errors import Unprocessable
 from turnstile.records import Float32Array, Int32Array
 
@@ -202,6 +203,26 @@ class ChoiceCapture:
                 self.top_ids.append(ids)
                 self.top_values.append(values)
 
+    def add_chat_entries(self, entries: list[sparse.TokenEntry], tokens_as_ids: bool) -> None:
+        """`add_chat_logprobs` for a sparsely decoded whole response."""
+        self.logprobs.extend(_float(e.logprob) for e in entries)
+        if not tokens_as_ids:
+            return
+        for entry in entries:
+            tops = entry.top_logprobs
+            if not tops:
+                continue
+            if self.top_ids is None or self.top_values is None:
+                self.top_ids, self.top_values = [], []
+            ids, values = [], []
+            for top in tops:
+                tid = _token_id(top.token)
+                if tid is not None:
+                    ids.append(tid)
+                    values.append(_float(top.logprob))
+            self.top_ids.append(ids)
+            self.top_values.append(values)
+
     def add_chat_message(self, message: Any, delta: bool) -> None:
         if not isinstance(message, dict):
             return
@@ -342,6 +363,40 @@ class ResponseCapture:
                 cap.add_chat_logprobs(choice.get("logprobs"), plan.tokens_as_ids)
             else:
                 cap.add_completion_logprobs(choice.get("logprobs"), plan.tokens_as_ids)
+
+    def add_sparse(self, body: sparse.Body) -> None:
+        """`add` for a whole response decoded by `turnstile.sparse`."""
+        if isinstance(body.model, str):
+            self.model = body.model
+        if body.prompt_token_ids is not None:
+            self.prompt_token_ids = body.prompt_token_ids
+        if isinstance(body.usage, dict):
+            self.usage = body.usage
+        chat = self.plan.endpoint == CHAT
+        as_ids = self.plan.tokens_as_ids
+        for choice in body.choices or ():
+            cap = self._choice(choice.index)
+            if choice.token_ids is not None:
+                cap.saw_token_ids = True
+                cap.token_ids.extend(choice.token_ids)
+            if choice.prompt_token_ids is not None:
+                cap.prompt_token_ids = choice.prompt_token_ids
+            if choice.finish_reason is not None:
+                cap.finish_reason = str(choice.finish_reason)
+            if choice.stop_reason is not None:
+                cap.stop_reason = str(choice.stop_reason)
+            if isinstance(choice.text, str):
+                cap.content.append(choice.text)
+            lp = choice.logprobs
+            if chat:
+                cap.add_chat_message(choice.message, False)
+                if lp is not None and lp.content:
+                    cap.add_chat_entries(lp.content, as_ids)
+            elif lp is not None:
+                cap.add_completion_logprobs(
+                    {"token_logprobs": lp.token_logprobs, "top_logprobs": lp.top_logprobs},
+                    as_ids,
+                )
 
     def prompt_ids_for(self, cap: ChoiceCapture) -> list[int] | None:
         return cap.prompt_token_ids if cap.prompt_token_ids is not None else self.prompt_token_ids

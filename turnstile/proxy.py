@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from turnstile import sparse
 from turnstile.backend import Backend, BackendResponse, read_error
 from turnstile.capture import CHAT, CapturePlan, ResponseCapture, plan_request, sampling_params
 from turnstile.capture import validate_request as validate
@@ -269,18 +270,27 @@ class Proxy:
         finally:
             resp.close()
         call.t_first = time.perf_counter()
-        try:
-            obj = orjson.loads(raw)
-            if not isinstance(obj, dict):
-                raise TypeError("response is not a JSON object")
-        except (orjson.JSONDecodeError, TypeError) as exc:
-            err = BackendError(f"the backend's response is not a JSON object: {exc}")
-            self._finish(call, capture, TurnStatus.ERROR, err.message, err.status)
-            raise err from None
-        capture.add(obj, chunk=False)
-        if call.plan.needs_strip:
-            call.plan.strip(obj)
-            raw = orjson.dumps(obj)
+        body = None
+        if not call.plan.needs_strip:  # the bytes go out unchanged: decode what is recorded
+            try:
+                body = sparse.DECODER.decode(raw)
+            except sparse.DecodeError:
+                body = None  # unexpected shapes: the full decode below tells what is wrong
+        if body is not None:
+            capture.add_sparse(body)
+        else:
+            try:
+                obj = orjson.loads(raw)
+                if not isinstance(obj, dict):
+                    raise TypeError("response is not a JSON object")
+            except (orjson.JSONDecodeError, TypeError) as exc:
+                err = BackendError(f"the backend's response is not a JSON object: {exc}")
+                self._finish(call, capture, TurnStatus.ERROR, err.message, err.status)
+                raise err from None
+            capture.add(obj, chunk=False)
+            if call.plan.needs_strip:
+                call.plan.strip(obj)
+                raw = orjson.dumps(obj)
         content_type = resp.headers.get("Content-Type", _JSON)
         answer = Answer(resp.status, content_type, [raw], call.headers)
         self._finish(call, capture, TurnStatus.OK, None, resp.status, answer)
