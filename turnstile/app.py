@@ -94,6 +94,8 @@ def create_app(
         top_logprobs=settings.top_logprobs,
         policy_version=settings.policy_version,
         idle_timeout_s=settings.rollout_idle_timeout_s,
+        max_rollout_bytes=settings.max_rollout_bytes,
+        max_open_rollout_bytes=settings.max_open_rollout_bytes,
     )
 
     @contextlib.asynccontextmanager

@@ -55,6 +55,15 @@ ROLLOUT_IDLE_TIMEOUT_S = 1800.0
 # How often idle rollouts are looked for.
 ROLLOUT_SWEEP_INTERVAL_S = 5.0
 
+# Turns are kept in memory until their rollout is sealed and stitched. A 128k-token
+# agent rollout of 100 turns holds ~100 MB of token arrays and messages; refusing new
+# turns past 512 MiB (409: finish the rollout) stops one runaway rollout from taking
+# the host down.
+MAX_ROLLOUT_BYTES = 512 * 1024 * 1024
+# All open rollouts together: past 4 GiB new turns get 503 with Retry-After until
+# rollouts are finished, instead of the proxy growing until the OOM killer ends it.
+MAX_OPEN_ROLLOUT_BYTES = 4 * 1024 * 1024 * 1024
+
 # --- shutdown --------------------------------------------------------------------------
 # In-flight streams get this long to finish on SIGTERM before they are cut.
 DRAIN_TIMEOUT_S = 30.0

@@ -34,6 +34,7 @@ from turnstile.errors import (
 from turnstile.journal import Journal, JournalError
 from turnstile.journal_codec import Event, PolicyVersionSet, encode_event
 from turnstile.jsontext import json_text
+from turnstile.limits import MAX_OPEN_ROLLOUT_BYTES, MAX_ROLLOUT_BYTES
 from turnstile.recorder import Recorder, SealJob
 from turnstile.records import Timings, TokenSource, TurnRecord, TurnStatus
 from turnstile.replay import Answer, ReplayCache, is_retry, replay_key
@@ -110,6 +111,8 @@ class Proxy:
         top_logprobs: int,
         policy_version: int,
         idle_timeout_s: float,
+        max_rollout_bytes: int = MAX_ROLLOUT_BYTES,
+        max_open_rollout_bytes: int = MAX_OPEN_ROLLOUT_BYTES,
     ) -> None:
         self.backend = backend
         self.recorder = recorder
@@ -118,7 +121,10 @@ class Proxy:
         self.journal: Journal | None = None  # opened at start-up (turnstile.app)
         self.policy_seq = 0  # the journal frame holding the policy version (0: none)
         self.journal_segments_removed = 0
-        self.registry = RolloutRegistry(self._on_seal, idle_timeout_s, self.journal_event)
+        self.registry = RolloutRegistry(
+            self._on_seal, idle_timeout_s, self.journal_event,
+            max_rollout_bytes=max_rollout_bytes, max_open_bytes=max_open_rollout_bytes,
+        )
         self.draining = False
         self.in_flight = 0
         self.idle = asyncio.Event()  # set while no call is in flight

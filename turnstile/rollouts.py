@@ -16,15 +16,29 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from turnstile.errors import BadRequest, Conflict, NotFound
+from turnstile.errors import BadRequest, Conflict, NotFound, Overloaded
 from turnstile.journal_codec import Event, RewardsPosted, RolloutCreated, RolloutSealed
-from turnstile.limits import MAX_ROLLOUT_ID_LENGTH
+from turnstile.limits import MAX_OPEN_ROLLOUT_BYTES, MAX_ROLLOUT_BYTES, MAX_ROLLOUT_ID_LENGTH
 from turnstile.records import Reward, RolloutStatus, TurnRecord
 
 # Sealed rollouts kept for GET /rollouts/{id} (their turns are released at sealing).
 MAX_SEALED_REMEMBERED = 100_000
 
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
+
+
+def turn_bytes(record: TurnRecord) -> int:
+    """About how much memory a recorded turn holds (arrays and text)."""
+    size = (record.prompt_token_ids.nbytes + record.completion_token_ids.nbytes
+            + record.behavior_logprobs.nbytes)
+    for text in (record.request_messages_json, record.request_tools_json,
+                 record.request_prompt_json, record.response_message_json,
+                 record.response_text):
+        if text is not None:
+            size += len(text)
+    if record.top_logprob_ids is not None:
+        size += 64 * sum(len(row) for row in record.top_logprob_ids)  # boxed ints, floats
+    return size
 
 
 def check_rollout_id(rollout_id: str) -> str:
@@ -56,6 +70,7 @@ class Rollout:
     num_turns: int = 0
     policy_versions: set[int] = field(default_factory=set)
     first_seq: int | None = None  # the journal frame that created it (kept until published)
+    held_bytes: int = 0  # memory its turns hold until it is handed over
 
     @property
     def sealed(self) -> bool:
@@ -88,10 +103,16 @@ class RolloutRegistry:
         on_seal: Callable[[Rollout], None],
         idle_timeout_s: float,
         on_event: Callable[[Event], int] | None = None,
+        *,
+        max_rollout_bytes: int = MAX_ROLLOUT_BYTES,
+        max_open_bytes: int = MAX_OPEN_ROLLOUT_BYTES,
     ) -> None:
         self._on_seal = on_seal
         self.on_event = on_event  # journals creations, rewards and seals
         self._idle_timeout_s = idle_timeout_s
+        self.max_rollout_bytes = max_rollout_bytes
+        self.max_open_bytes = max_open_bytes
+        self.held_bytes = 0  # all open rollouts' turns
         self._open: dict[str, Rollout] = {}
         self._sealed: OrderedDict[str, Rollout] = OrderedDict()
 
@@ -165,6 +186,8 @@ class RolloutRegistry:
 
     def restore(self, rollout: Rollout) -> None:
         """Put back an open rollout recovered from the journal."""
+        rollout.held_bytes = sum(map(turn_bytes, rollout.turns))
+        self.held_bytes += rollout.held_bytes
         self._open[rollout.rollout_id] = rollout
 
     # -- turns -------------------------------------------------------------------------
@@ -183,6 +206,19 @@ class RolloutRegistry:
                 "it takes no more turns",
                 param="rollout_id",
             )
+        if rollout.held_bytes > self.max_rollout_bytes:
+            raise Conflict(
+                f"rollout {rollout.rollout_id!r} holds {rollout.held_bytes >> 20} MiB of "
+                f"turns, over the limit of {self.max_rollout_bytes >> 20} MiB: finish it "
+                "and go on in a new rollout",
+                param="rollout_id",
+            )
+        if self.held_bytes > self.max_open_bytes:
+            raise Overloaded(
+                f"open rollouts hold {self.held_bytes >> 20} MiB of turns, over the limit "
+                f"of {self.max_open_bytes >> 20} MiB: finish rollouts, then retry",
+                retry_after_s=5,
+            )
         index = rollout.next_turn_index
         rollout.next_turn_index += 1
         rollout.in_flight += 1
@@ -196,6 +232,9 @@ class RolloutRegistry:
         if records:
             rollout.num_turns += 1
             rollout.turns.extend(records)
+            held = sum(map(turn_bytes, records))
+            rollout.held_bytes += held
+            self.held_bytes += held
             rollout.policy_versions.update(r.policy_version for r in records)
         if rollout.implicit and not rollout.sealed:
             self._seal(rollout, RolloutStatus.FINISHED)
@@ -267,6 +306,8 @@ class RolloutRegistry:
             return
         rollout.handed_over = True
         self._open.pop(rollout.rollout_id, None)
+        self.held_bytes -= rollout.held_bytes
+        rollout.held_bytes = 0
         self._on_seal(rollout)
         rollout.turns = []
         self._sealed[rollout.rollout_id] = rollout

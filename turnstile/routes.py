@@ -235,6 +235,7 @@ def add_routes(
             "dropped": s.dropped,
             "breaks_by_kind": dict(s.breaks_by_kind),
             "open_rollouts": proxy.registry.open_count,
+            "open_rollout_bytes": proxy.registry.held_bytes,
             "in_flight": proxy.in_flight,
             "backlog": proxy.recorder.backlog,
             "policy_version": proxy.policy_version,

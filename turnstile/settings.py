@@ -93,6 +93,8 @@ class Settings(BaseModel):
     recorder_queue_size: int = Field(default=limits.RECORDER_QUEUE_SIZE, gt=0)
     shard_max_rows: int = Field(default=limits.SHARD_MAX_ROWS, gt=0)
     shard_max_age_s: float = Field(default=limits.SHARD_MAX_AGE_S, gt=0)
+    max_rollout_bytes: int = Field(default=limits.MAX_ROLLOUT_BYTES, gt=0)
+    max_open_rollout_bytes: int = Field(default=limits.MAX_OPEN_ROLLOUT_BYTES, gt=0)
     rollout_idle_timeout_s: float = Field(default=limits.ROLLOUT_IDLE_TIMEOUT_S, gt=0)
     drain_timeout_s: float = Field(default=limits.DRAIN_TIMEOUT_S, ge=0)
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import time
 
 import pytest
+from starlette.testclient import TestClient
 
+from tests.unit.conftest import MakeApp
 from turnstile.errors import BadRequest, Conflict, NotFound
 from turnstile.records import RolloutStatus
 from turnstile.rollouts import Rollout, RolloutRegistry
@@ -84,3 +86,23 @@ def test_ids_are_checked_and_duplicates_refused() -> None:
         reg.create("dup")
     with pytest.raises(NotFound):
         reg.get("missing")
+
+
+def test_memory_held_by_open_rollouts_is_bounded(make_app: MakeApp) -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "x" * 2000}]}
+    h = make_app(max_rollout_bytes=15_000, max_open_rollout_bytes=35_000)
+    with TestClient(h.app) as client:
+        assert client.post("/rollouts/a/v1/chat/completions", json=body).status_code == 200
+        held = client.get("/stats").json()["open_rollout_bytes"]
+        assert 2000 < held < 15_000  # ~10 KB: the messages and the token arrays
+        assert client.post("/rollouts/a/v1/chat/completions", json=body).status_code == 200
+        over = client.post("/rollouts/a/v1/chat/completions", json=body)
+        assert over.status_code == 409 and "finish it" in over.json()["error"]["message"]
+        assert client.post("/rollouts/b/v1/chat/completions", json=body).status_code == 200
+        assert client.post("/rollouts/b/v1/chat/completions", json=body).status_code == 200
+        full = client.post("/rollouts/c/v1/chat/completions", json=body)
+        assert full.status_code == 503 and full.headers["Retry-After"] == "5"
+        client.post("/rollouts/a/finish")
+        assert client.get("/stats").json()["open_rollout_bytes"] < 35_000
+        assert client.post("/rollouts/c/v1/chat/completions", json=body).status_code == 200
+    assert {t.rollout_id for t in h.sink.turns} == {"a", "b", "c"}
