@@ -32,6 +32,7 @@ from turnstile.runtime import tune_gc
 from turnstile.settings import Settings, resolve_secret
 from turnstile.shards import ParquetShardSink, Sink
 from turnstile.tokenizer import LocalTokenizer
+from turnstile.workers import WorkerRouter, WorkerSpec, id_factory, peer_clients
 
 log = logging.getLogger("turnstile")
 
@@ -57,18 +58,28 @@ async def _model_identity(backend: Backend) -> str | None:
 
 
 def create_app(
-    settings: Settings, *, backend: Backend | None = None, sink: Sink | None = None
+    settings: Settings,
+    *,
+    backend: Backend | None = None,
+    sink: Sink | None = None,
+    worker: WorkerSpec | None = None,
 ) -> FastAPI:
+    """The app; `worker` when this process is one of several (`turnstile.workers`)."""
     tokenizer = LocalTokenizer(settings.tokenizer) if settings.tokenizer else None
+    timeouts = Timeouts(
+        settings.connect_timeout_s,
+        settings.first_byte_timeout_s,
+        settings.idle_timeout_s,
+        settings.total_timeout_s,
+    )
+    writer_id = settings.writer_id if worker is None else f"{settings.writer_id}-{worker.suffix}"
+    journal_dir = settings.output / JOURNAL_DIR
+    if worker is not None:
+        journal_dir = journal_dir / worker.suffix
     if backend is None:
         backend = AiohttpBackend(
             settings.backend,
-            Timeouts(
-                settings.connect_timeout_s,
-                settings.first_byte_timeout_s,
-                settings.idle_timeout_s,
-                settings.total_timeout_s,
-            ),
+            timeouts,
             pool_size=settings.backend_pool_size,
             api_key=resolve_secret(settings.backend_api_key_env),
         )
@@ -82,7 +93,7 @@ def create_app(
     if sink is None:
         sink = ParquetShardSink(
             settings.output,
-            writer_id=settings.writer_id,
+            writer_id=writer_id,
             identity=identity,
             max_rows=settings.shard_max_rows,
             max_age_s=settings.shard_max_age_s,
@@ -97,12 +108,15 @@ def create_app(
         max_rollout_bytes=settings.max_rollout_bytes,
         max_open_rollout_bytes=settings.max_open_rollout_bytes,
     )
+    peers: dict[int, Backend] = {}
+    if worker is not None:
+        proxy.registry.new_id = id_factory(worker.index, worker.count)
+        peers = peer_clients(worker, timeouts)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         model = await _model_identity(backend)
         identity["turnstile.model"] = model or ""
-        journal_dir = settings.output / JOURNAL_DIR
         journal = await asyncio.to_thread(
             FileJournal, journal_dir, fsync=settings.fsync,
             segment_bytes=settings.journal_segment_bytes,
@@ -130,6 +144,8 @@ def create_app(
             await _drain(proxy, settings.drain_timeout_s)
             sealed = proxy.registry.seal_all()
             await backend.aclose()
+            for peer in peers.values():
+                await peer.aclose()
             finished = await asyncio.to_thread(recorder.stop, WRITER_JOIN_TIMEOUT_S)
             await asyncio.to_thread(journal.close)
             if finished and recorder.error is None:
@@ -162,6 +178,10 @@ def create_app(
         admin_keys=[admin_key] if admin_key else [],
         rollout_keys=rollout_keys,
     )
+    if worker is not None and worker.count > 1:  # added last: runs before everything
+        app.add_middleware(
+            WorkerRouter, spec=worker, peers=peers, max_body=settings.max_request_body_bytes
+        )
     install_error_handlers(app)
     add_routes(app.router, proxy, settings.max_request_body_bytes, rollout_keys)
     return app

@@ -138,8 +138,10 @@ class AiohttpBackend:
         *,
         pool_size: int,
         api_key: str | None = None,
+        unix_socket: str | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        self._unix_socket = unix_socket  # a local peer (another worker), not TCP
         self._timeouts = timeouts
         self._pool_size = pool_size
         self._auth = f"Bearer {api_key}" if api_key else None
@@ -147,9 +149,13 @@ class AiohttpBackend:
 
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None:
-            connector = aiohttp.TCPConnector(
-                limit=self._pool_size, ttl_dns_cache=300, enable_cleanup_closed=True
-            )
+            connector: aiohttp.BaseConnector
+            if self._unix_socket is not None:
+                connector = aiohttp.UnixConnector(self._unix_socket, limit=self._pool_size)
+            else:
+                connector = aiohttp.TCPConnector(
+                    limit=self._pool_size, ttl_dns_cache=300, enable_cleanup_closed=True
+                )
             self._session = aiohttp.ClientSession(
                 connector=connector,
                 # Timeouts are enforced per phase below; aiohttp's own are only a backstop.

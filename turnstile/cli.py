@@ -1,4 +1,4 @@
-"""The `turnstile` command line: serve, demo and schema."""
+"""The `turnstile` command line: serve, demo, verify, recover, schema and bench."""
 
 from __future__ import annotations
 
@@ -46,6 +46,8 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
         help="environment variable holding the admin key for /admin/* and rewards",
     )
     p.add_argument("--writer-id", help="unique id of this process in shard names")
+    p.add_argument("--workers", type=int,
+                   help="worker processes sharing the port (default 1; see README)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
 
 
@@ -63,6 +65,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         "api_key_env": args.api_key_env,
         "admin_api_key_env": args.admin_api_key_env,
         "log_level": args.log_level,
+        "workers": args.workers,
     }
 
 
@@ -77,10 +80,18 @@ def _setup_logging(level: str) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     settings = load_settings(args.config, _overrides(args))
     _setup_logging(settings.log_level)
-    log.info("settings: %s", settings.public_dict())
+    from turnstile.workers import worker_env
+
+    worker = worker_env(settings.workers)
+    if worker is None:
+        log.info("settings: %s", settings.public_dict())
+    if settings.workers > 1 and worker is None:
+        from turnstile.supervisor import run_workers
+
+        return run_workers(settings, args.argv)
     from turnstile.server import run_server
 
-    run_server(settings)
+    run_server(settings, worker)
     return 0
 
 
@@ -148,6 +159,58 @@ def cmd_schema(args: argparse.Namespace) -> int:
     return 0
 
 
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers: {text!r}") from None
+
+
+def _name_list(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from turnstile.bench.runner import BenchConfig, run_bench
+
+    cfg = BenchConfig(
+        rounds=args.rounds, duration_s=args.duration, prompt_tokens=args.prompt_tokens,
+        completion_tokens=args.completion_tokens, paced_tokens=args.paced_tokens,
+        paced_rate=args.paced_rate, paced_streams=args.paced_streams,
+        concurrency=args.concurrency, targets=args.targets, keep=args.keep, quick=args.quick,
+    )
+    try:
+        run_bench(cfg, args.json)
+    except ValueError as exc:
+        print(f"turnstile bench: {exc}", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:  # a server or a load generator failed; all were stopped
+        print(f"turnstile bench failed: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _add_bench_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds per scenario")
+    p.add_argument("--duration", type=float, default=3.0,
+                   help="seconds per round (non-paced scenarios)")
+    p.add_argument("--prompt-tokens", type=int, default=2000)
+    p.add_argument("--completion-tokens", type=int, default=500)
+    p.add_argument("--paced-tokens", type=int, default=200,
+                   help="completion tokens of a paced stream")
+    p.add_argument("--paced-rate", type=float, default=50.0, help="paced tokens per second")
+    p.add_argument("--paced-streams", type=int, default=256,
+                   help="concurrent paced streams (0: no paced scenario)")
+    p.add_argument("--concurrency", type=_int_list, default=[1, 32, 256],
+                   metavar="C,C,...", help="concurrency levels (default 1,32,256)")
+    p.add_argument("--targets", type=_name_list, default=["direct", "nginx", "turnstile"],
+                   metavar="T,T,...", help="subset of direct,nginx,turnstile")
+    p.add_argument("--quick", action="store_true",
+                   help="2 rounds of 1 s, concurrency 1 and 32, paced 32 streams x 20 tokens")
+    p.add_argument("--keep", action="store_true", help="keep the temp dir (logs, shards)")
+    p.add_argument("--json", type=Path, metavar="FILE", help="write the full report here")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="turnstile",
@@ -195,11 +258,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     schema = sub.add_parser("schema", help="print the Parquet schema as a Markdown table")
     schema.set_defaults(func=cmd_schema)
+
+    bench = sub.add_parser(
+        "bench", help="measure Turnstile against a fake backend, directly and via nginx",
+        description="Start a fake vLLM-shaped backend, nginx (when installed) and Turnstile "
+        "in front of it, and run interleaved rounds of non-streaming, streaming and paced "
+        "load; reports latency, throughput and CPU per request for each.",
+    )
+    _add_bench_flags(bench)
+    bench.set_defaults(func=cmd_bench)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # re-run by --workers
     try:
         result: int = args.func(args)
     except SettingsError as exc:

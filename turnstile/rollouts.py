@@ -113,6 +113,9 @@ class RolloutRegistry:
         self.max_rollout_bytes = max_rollout_bytes
         self.max_open_bytes = max_open_bytes
         self.held_bytes = 0  # all open rollouts' turns
+        # Ids for rollouts the client did not name; with several workers, ids this
+        # worker owns (turnstile.workers), so their later calls come back here.
+        self.new_id: Callable[[], str] = lambda: uuid.uuid4().hex
         self._open: dict[str, Rollout] = {}
         self._sealed: OrderedDict[str, Rollout] = OrderedDict()
 
@@ -172,7 +175,7 @@ class RolloutRegistry:
         metadata: dict[str, Any] | None = None,
         implicit: bool = False,
     ) -> Rollout:
-        rid = check_rollout_id(rollout_id) if rollout_id else uuid.uuid4().hex
+        rid = check_rollout_id(rollout_id) if rollout_id else self.new_id()
         if rid in self._open or rid in self._sealed:
             raise Conflict(f"rollout {rid!r} already exists", param="rollout_id")
         rollout = Rollout(rid, group_id, task_id, metadata, implicit)

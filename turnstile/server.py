@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import socket
+from pathlib import Path
 from types import FrameType
 
 import uvicorn
@@ -12,6 +15,7 @@ import uvicorn
 from turnstile.app import create_app
 from turnstile.proxy import Proxy
 from turnstile.settings import Settings
+from turnstile.workers import WorkerSpec, socket_path
 
 log = logging.getLogger("turnstile")
 
@@ -58,9 +62,17 @@ class GracefulServer(uvicorn.Server):
             captured.clear()
 
 
-def run_server(settings: Settings) -> None:
-    """Serve until SIGINT/SIGTERM; everything received is published before returning."""
-    app = create_app(settings)
+def run_server(settings: Settings, worker: WorkerSpec | None = None) -> None:
+    """Serve until SIGINT/SIGTERM; everything received is published before returning.
+
+    As one of several workers it shares the port (SO_REUSEPORT) and also listens on its
+    Unix socket, where the other workers hand over calls for rollouts it owns.
+    """
+    app = create_app(settings, worker=worker)
+    sockets = None
+    if worker is not None:
+        sockets = [_shared_tcp_socket(settings.host, settings.port),
+                   _unix_socket(socket_path(worker.rundir, worker.index))]
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -70,4 +82,29 @@ def run_server(settings: Settings) -> None:
         # uvicorn's own wait for open connections; the app drains in-flight calls too.
         timeout_graceful_shutdown=int(settings.drain_timeout_s) or None,
     )
-    GracefulServer(config, app.state.proxy, settings.drain_timeout_s).run()
+    GracefulServer(config, app.state.proxy, settings.drain_timeout_s).run(sockets=sockets)
+
+
+# Pending connections per worker socket, as uvicorn's default: bursts of hundreds of
+# rollouts connecting at once must not be refused.
+LISTEN_BACKLOG = 2048
+
+
+def _shared_tcp_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(LISTEN_BACKLOG)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _unix_socket(path: Path) -> socket.socket:
+    path.unlink(missing_ok=True)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(str(path))
+    os.chmod(path, 0o600)  # only this user's processes may hand calls over
+    sock.listen(LISTEN_BACKLOG)
+    return sock

@@ -67,6 +67,8 @@ class Settings(BaseModel):
     policy_version: int = 0
     writer_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # Processes serving the port together (SO_REUSEPORT); each rollout is owned by one.
+    workers: int = Field(default=1, ge=1, le=64)
 
     connect_timeout_s: float = Field(default=limits.CONNECT_TIMEOUT_S, gt=0)
     first_byte_timeout_s: float = Field(default=limits.FIRST_BYTE_TIMEOUT_S, gt=0)

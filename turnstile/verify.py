@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow.parquet as pq
+from fastapi import FastAPI
 
 from turnstile.errors import BackendUnreachable
 from turnstile.journal import read_journal
@@ -22,6 +23,7 @@ from turnstile.reader import ShardFormatError, check_shard
 from turnstile.recovery import JOURNAL_DIR, published_keys
 from turnstile.schema import SCHEMAS, TABLES
 from turnstile.settings import Settings
+from turnstile.workers import WorkerSpec
 
 
 @dataclass(slots=True)
@@ -52,8 +54,7 @@ def verify(output: Path) -> VerifyReport:
                 report.rows[table] += pq.read_table(path).num_rows
             except (ShardFormatError, OSError, ValueError) as exc:
                 report.problems.append(f"{path}: {exc}")
-    journal_dir = output / JOURNAL_DIR
-    frames = list(read_journal(journal_dir)) if journal_dir.is_dir() else []
+    frames = [f for _, d in journal_dirs(output) for f in read_journal(d)]
     report.journal_frames = len(frames)
     if any(frame.kind == EventKind.TURN for frame in frames):
         if report.problems:  # the shards cannot be compared with the journal
@@ -90,14 +91,31 @@ class _NoBackend:
         return None
 
 
+def journal_dirs(output: Path) -> list[tuple[WorkerSpec | None, Path]]:
+    """The journal of a single-process run, and those of `--workers` runs (`w<i>`)."""
+    root = output / JOURNAL_DIR
+    if not root.is_dir():
+        return []
+    found: list[tuple[WorkerSpec | None, Path]] = [(None, root)]
+    workers = sorted(
+        (int(d.name[1:]), d) for d in root.iterdir() if d.is_dir() and d.name[1:].isdigit()
+    )
+    count = max((i for i, _ in workers), default=-1) + 1
+    found += [(WorkerSpec(i, count, output), d) for i, d in workers]
+    return found
+
+
 def recover_offline(settings: Settings) -> None:
-    """Publish everything the journal holds, as a start-up and a clean shutdown would."""
+    """Publish everything the journals hold, as a start-up and a clean shutdown would."""
     from turnstile.app import create_app
 
-    app = create_app(settings, backend=_NoBackend())  # type: ignore[arg-type]
+    for worker, _ in journal_dirs(settings.output) or [(None, settings.output)]:
+        # Offline there are no peers: each worker's journal is replayed on its own.
+        solo = None if worker is None else WorkerSpec(worker.index, 1, worker.rundir)
+        app = create_app(settings, backend=_NoBackend(), worker=solo)  # type: ignore[arg-type]
+        asyncio.run(_start_and_stop(app))
 
-    async def run() -> None:
-        async with app.router.lifespan_context(app):
-            pass
 
-    asyncio.run(run())
+async def _start_and_stop(app: FastAPI) -> None:
+    async with app.router.lifespan_context(app):
+        pass

@@ -9,8 +9,10 @@ helpers they share; it imports nothing heavy, as the backend and loadgen import 
 from __future__ import annotations
 
 import contextlib
+import http.client
 import os
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Callable
@@ -21,6 +23,28 @@ from typing import Final
 STOP_GRACE_S: Final[float] = 10.0
 # After SIGKILL, how long to wait for the kernel to reap the leader.
 KILL_WAIT_S: Final[float] = 5.0
+# One GET /health while waiting for a server to come up.
+HEALTH_PROBE_TIMEOUT_S: Final[float] = 2.0
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def healthy(port: int) -> bool:
+    """Whether GET http://127.0.0.1:`port`/health answers 200."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=HEALTH_PROBE_TIMEOUT_S)
+    try:
+        conn.request("GET", "/health")
+        return conn.getresponse().status == 200
+    except OSError:
+        return False
+    finally:
+        conn.close()
 
 
 def child_pids(pid: int) -> list[int]:

@@ -253,6 +253,7 @@ class Stats:
 class Plan:
     target: Target
     request: bytes
+    warmup_request: bytes
     stream: bool
     concurrency: int
     warmup: int
@@ -263,11 +264,30 @@ class Plan:
     remaining: int = 0
 
 
-async def _one(conn: Connection, plan: Plan) -> Response:
-    resp = await conn.request(plan.request)
+def make_plan(
+    target: Target, *, stream: bool, concurrency: int, warmup: int = 1,
+    duration_s: float | None = None, requests: int | None = None,
+    warmup_no_stream: bool = False, content: str = DEFAULT_CONTENT,
+) -> Plan:
+    """A run of `requests` requests in all, or of `duration_s` seconds."""
+    if (duration_s is None) == (requests is None):
+        raise ValueError("give exactly one of duration_s and requests")
+    return Plan(
+        target=target,
+        request=encode_request(target, request_body(stream, content)),
+        warmup_request=encode_request(target, request_body(stream and not warmup_no_stream,
+                                                           content)),
+        stream=stream, concurrency=concurrency, warmup=warmup, duration_s=duration_s,
+        requests=requests,
+    )
+
+
+async def _one(conn: Connection, plan: Plan, *, warm: bool = False) -> Response:
+    data = plan.warmup_request if warm else plan.request
+    resp = await conn.request(data)
     if resp.status != 200:
         raise BenchError(f"HTTP status {resp.status}")
-    if plan.stream and resp.tail != DONE_TAIL:
+    if not warm and plan.stream and resp.tail != DONE_TAIL:
         raise BenchError("the stream did not end with data: [DONE]")
     return resp
 
@@ -290,13 +310,15 @@ class Worker:
 
     async def warm_up(self, stats: Stats) -> None:
         for _ in range(self.plan.warmup):
+            start = time.perf_counter()
             try:
-                resp = await _one(await self._conn(), self.plan)
+                resp = await _one(await self._conn(), self.plan, warm=True)
             except (OSError, BenchError, ValueError, asyncio.IncompleteReadError) as exc:
                 stats.error(exc)
                 self._drop()
                 await asyncio.sleep(ERROR_BACKOFF_S)
                 continue
+            stats.latencies.append(time.perf_counter() - start)
             if not resp.keep_alive:
                 self._drop()
 
@@ -349,12 +371,15 @@ def _ms(value: float | None) -> float | None:
     return None if value is None else round(value * 1000.0, 4)
 
 
-def summarize(stats: Stats, plan: Plan, started: float, timed_out: bool) -> dict[str, Any]:
+def summarize(
+    stats: Stats, plan: Plan, started: float, timed_out: bool, cpu_s: float
+) -> dict[str, Any]:
     end = stats.last_done if stats.last_done > started else time.perf_counter()
     duration = max(end - started, 1e-9)
     n = len(stats.latencies)
     return {
         "requests": n,
+        "loadgen_cpu_s": round(cpu_s, 6),
         "errors": stats.errors,
         "error_kinds": stats.error_kinds,
         "timed_out": timed_out,
@@ -386,6 +411,7 @@ async def run_load(plan: Plan, *, deadline_s: float, sync: bool = False) -> dict
     warm = Stats()
     stats = Stats()
     started = time.perf_counter()
+    cpu_start = time.process_time()
     timed_out = False
     try:
         async with asyncio.timeout(deadline_s):
@@ -394,6 +420,7 @@ async def run_load(plan: Plan, *, deadline_s: float, sync: bool = False) -> dict
             if sync:
                 await _wait_for_go()
             started = time.perf_counter()
+            cpu_start = time.process_time()
             if plan.duration_s is not None:
                 plan.stop_at = started + plan.duration_s
             plan.remaining = plan.requests or 0
@@ -406,7 +433,8 @@ async def run_load(plan: Plan, *, deadline_s: float, sync: bool = False) -> dict
     finally:
         for w in workers:
             w.close()
-    summary = summarize(stats, plan, started, timed_out)
+    summary = summarize(stats, plan, started, timed_out, time.process_time() - cpu_start)
+    summary["warmup_requests"] = len(warm.latencies)
     summary["warmup_errors"] = warm.errors
     return summary
 
@@ -438,6 +466,9 @@ def build_parser() -> argparse.ArgumentParser:
     how.add_argument("--requests", type=int, help="measured requests in all")
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--warmup", type=int, default=1, help="warm-up requests per worker")
+    p.add_argument("--warmup-no-stream", action="store_true",
+                   help="send the warm-up requests non-streaming (opens the connections "
+                   "without waiting for paced streams)")
     p.add_argument("--deadline", type=float, help="hard limit on the whole run, seconds")
     p.add_argument("--content", default=DEFAULT_CONTENT, help="the user message")
     p.add_argument("--cpu", type=int, help="pin this process to one CPU")
@@ -471,14 +502,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.cpu is not None:
         os.sched_setaffinity(0, {args.cpu})
     _watchdog(deadline + WATCHDOG_GRACE_S)
-    plan = Plan(
-        target=target,
-        request=encode_request(target, request_body(args.stream, args.content)),
-        stream=args.stream,
-        concurrency=args.concurrency,
-        warmup=args.warmup,
-        duration_s=args.duration,
-        requests=args.requests,
+    plan = make_plan(
+        target, stream=args.stream, concurrency=args.concurrency, warmup=args.warmup,
+        duration_s=args.duration, requests=args.requests,
+        warmup_no_stream=args.warmup_no_stream, content=args.content,
     )
     summary = run_fast(run_load(plan, deadline_s=deadline, sync=args.sync))
     out = orjson.dumps(summary, option=orjson.OPT_INDENT_2)

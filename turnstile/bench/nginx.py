@@ -10,7 +10,6 @@ directory of the caller's, so it needs no system paths and leaves nothing behind
 from __future__ import annotations
 
 import contextlib
-import http.client
 import os
 import re
 import shutil
@@ -20,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
-from turnstile.bench import child_pids, stop_group, wait_until
+from turnstile.bench import child_pids, healthy, stop_group, wait_until
 
 NGINX_CANDIDATES: Final[tuple[str, ...]] = ("/usr/sbin/nginx", "/usr/local/sbin/nginx")
 # Idle upstream connections nginx keeps per worker: as many as the bench's top concurrency.
@@ -36,8 +35,6 @@ PROXY_READ_TIMEOUT_S: Final[int] = 300
 START_TIMEOUT_S: Final[float] = 15.0
 # `nginx -t` reads and checks the config only.
 CONFIG_TEST_TIMEOUT_S: Final[float] = 15.0
-# One probe request through nginx to the backend while waiting for it to come up.
-PROBE_TIMEOUT_S: Final[float] = 2.0
 # `-e` (error log path at start-up, before the config is read) exists from nginx 1.19.5.
 ERROR_LOG_FLAG_SINCE: Final[tuple[int, int, int]] = (1, 19, 5)
 
@@ -146,17 +143,6 @@ class NginxError(RuntimeError):
     """nginx would not start or serve."""
 
 
-def _probe(port: int) -> bool:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=PROBE_TIMEOUT_S)
-    try:
-        conn.request("GET", "/health")
-        return conn.getresponse().status == 200
-    except OSError:
-        return False
-    finally:
-        conn.close()
-
-
 @dataclass
 class Nginx:
     """A running nginx; `pids` are the master's and its worker's."""
@@ -194,8 +180,8 @@ def start_nginx(binary: str, workdir: Path, listen_port: int, upstream_port: int
     server = Nginx(proc, workdir, listen_port)
     try:
         ready = wait_until(
-            lambda: proc.poll() is not None or (bool(child_pids(proc.pid)) and _probe(
-                listen_port)),
+            lambda: proc.poll() is not None
+            or (bool(child_pids(proc.pid)) and healthy(listen_port)),
             START_TIMEOUT_S,
         )
         if proc.poll() is not None:

@@ -1,0 +1,584 @@
+"""`turnstile bench`: Turnstile against the bare backend and nginx, side by side.
+
+One fake backend serves everything (`turnstile.bench.backend`); nginx (when installed)
+and Turnstile (recording into a temp dir) stand in front of it. A second set, whose
+backend paces tokens, serves the paced-streaming scenario. For each scenario the rounds
+are interleaved across targets (`direct`, `nginx`, `turnstile`), the order rotated each
+round; each round is one run of `turnstile.bench.loadgen` in its own process. Around the
+measured phase of a round the CPU time of the target's processes is read from /proc
+(utime+stime of /proc/PID/stat, which counts every thread of the process) and divided
+by the completed requests and, for streams, by the events (completion tokens). The
+CPU of Turnstile's `ts-writer` and `ts-journal` threads, read per thread from
+/proc/PID/task/TID, is its recording cost. At concurrency 1 every process is pinned to
+one CPU. Medians and (min, max) over rounds are reported, with the machine's CPU model
+and foreign load.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import select
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+import orjson
+
+from turnstile.bench import descendants, free_port, healthy, stop_group, wait_until
+from turnstile.bench.nginx import Nginx, find_nginx, nginx_version, start_nginx
+
+TARGETS: Final[tuple[str, ...]] = ("direct", "nginx", "turnstile")
+RECORDING_THREADS: Final[frozenset[str]] = frozenset({"ts-writer", "ts-journal"})
+CLK_TCK: Final[int] = os.sysconf("SC_CLK_TCK")
+# The backend builds its answers on the first request; it is up in well under a second.
+BACKEND_START_TIMEOUT_S: Final[float] = 30.0
+# Turnstile imports FastAPI, pyarrow and friends and replays its journal: ~1-2 s idle,
+# much longer on a loaded machine.
+TURNSTILE_START_TIMEOUT_S: Final[float] = 90.0
+# Warm-up is one request per worker: 256 of them through a slow proxy take seconds.
+WARMUP_TIMEOUT_S: Final[float] = 60.0
+# After its measured phase a round lets the requests in flight finish: at most one
+# stream per worker (~1-2 s at c=256 back to back through a slow proxy).
+DRAIN_ALLOWANCE_S: Final[float] = 30.0
+# A paced round may take this many times the ideal stream time before it is cut short
+# (the slowest Python proxies measured reach ~2.5x at 256 x 50 tokens/s).
+PACED_SLOWDOWN_ALLOWED: Final[float] = 4.0
+# Streams per worker in a paced round: every worker runs one, all starting together.
+PACED_STREAMS_PER_WORKER: Final[int] = 1
+# The loadgen's own watchdog fires 5 s past its deadline; the runner waits a bit longer.
+LOADGEN_EXIT_SLACK_S: Final[float] = 15.0
+# After a scenario, time for Turnstile's writer to finish what the last round queued,
+# so the recording cost counts all of it.
+RECORD_SETTLE_S: Final[float] = 0.5
+QUICK: Final[dict[str, Any]] = {
+    "rounds": 2, "duration_s": 1.0, "concurrency": [1, 32], "paced_streams": 32,
+    "paced_tokens": 20,
+}
+
+
+@dataclass
+class BenchConfig:
+    rounds: int = 5
+    duration_s: float = 3.0
+    prompt_tokens: int = 2000
+    completion_tokens: int = 500
+    paced_tokens: int = 200
+    paced_rate: float = 50.0
+    paced_streams: int = 256
+    concurrency: list[int] = field(default_factory=lambda: [1, 32, 256])
+    targets: list[str] = field(default_factory=lambda: list(TARGETS))
+    keep: bool = False
+    quick: bool = False
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    stream: bool
+    concurrency: int
+    paced: bool = False
+
+    def events_per_request(self, cfg: BenchConfig) -> int:
+        if not self.stream:
+            return 0
+        return cfg.paced_tokens if self.paced else cfg.completion_tokens
+
+
+def scenarios(cfg: BenchConfig) -> list[Scenario]:
+    out = [Scenario(f"nonstream-c{c}", False, c) for c in cfg.concurrency]
+    out += [Scenario(f"stream-c{c}", True, c) for c in cfg.concurrency]
+    if cfg.paced_streams > 0:
+        out.append(Scenario(f"paced-{cfg.paced_streams}x{cfg.paced_rate:g}tps", True,
+                            cfg.paced_streams, paced=True))
+    return out
+
+
+# -- /proc ------------------------------------------------------------------------------
+def _stat_ticks(path: str) -> int:
+    try:
+        with open(path, "rb") as f:
+            stat = f.read()
+    except OSError:
+        return 0  # the process or thread is gone
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    return int(fields[11]) + int(fields[12])  # utime, stime
+
+
+def process_cpu_s(pids: list[int]) -> float:
+    """CPU seconds of the processes, all their threads included."""
+    return sum(_stat_ticks(f"/proc/{pid}/stat") for pid in pids) / CLK_TCK
+
+
+def thread_cpu_s(pid: int, names: frozenset[str]) -> float | None:
+    """CPU seconds of the threads of `pid` named one of `names`; None when there are none."""
+    total = 0
+    found = False
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                comm = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+            except OSError:
+                continue
+            if comm in names:
+                found = True
+                total += _stat_ticks(f"/proc/{pid}/task/{tid}/stat")
+    return total / CLK_TCK if found else None
+
+
+def _tids(pid: int) -> list[int]:
+    try:
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return []
+
+
+@contextlib.contextmanager
+def pinned(pids: list[int], cpu: int) -> Iterator[None]:
+    """Pin every thread of `pids` to `cpu`; restore each thread's mask afterwards
+    (threads started meanwhile get their process's original mask)."""
+    by_pid: dict[int, set[int]] = {}
+    by_tid: dict[int, set[int]] = {}
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            by_pid[pid] = os.sched_getaffinity(pid)
+        for tid in _tids(pid):
+            with contextlib.suppress(OSError):
+                by_tid[tid] = os.sched_getaffinity(tid)
+                os.sched_setaffinity(tid, {cpu})
+    try:
+        yield
+    finally:
+        for pid, process_mask in by_pid.items():
+            for tid in _tids(pid):
+                with contextlib.suppress(OSError):
+                    os.sched_setaffinity(tid, by_tid.get(tid, process_mask))
+
+
+def machine_info() -> dict[str, Any]:
+    model = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    loadavg = ""
+    with contextlib.suppress(OSError):
+        loadavg = Path("/proc/loadavg").read_text().strip()
+    return {
+        "cpu_model": model, "cpu_count": os.cpu_count(),
+        "cpus_allowed": len(os.sched_getaffinity(0)), "loadavg_before": loadavg,
+        "kernel": platform.release(), "python": platform.python_version(),
+        "clock_ticks_per_s": CLK_TCK,
+    }
+
+
+# -- processes ----------------------------------------------------------------------------
+@dataclass
+class Server:
+    name: str
+    proc: subprocess.Popen[bytes]
+    port: int
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout_s: float) -> None:
+        if not wait_until(lambda: self.proc.poll() is not None or healthy(self.port),
+                          timeout_s, 0.1) or self.proc.poll() is not None:
+            tail = self.log.read_text(errors="replace")[-3000:] if self.log.exists() else ""
+            raise RuntimeError(f"{self.name} did not come up (exit {self.proc.poll()}):\n{tail}")
+
+
+def spawn(name: str, args: list[str], port: int, workdir: Path) -> Server:
+    log = workdir / f"{name}.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, *args], stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+            start_new_session=True,
+        )
+    return Server(name, proc, port, log)
+
+
+@dataclass
+class Stack:
+    """A backend, and nginx and Turnstile in front of it."""
+
+    label: str
+    backend: Server
+    nginx: Nginx | None = None
+    turnstile: Server | None = None
+
+    def url(self, target: str) -> str:
+        base = {"direct": self.backend.url, "nginx": self.nginx.url if self.nginx else "",
+                "turnstile": self.turnstile.url if self.turnstile else ""}[target]
+        return base + "/v1/chat/completions"
+
+    def target_pids(self, target: str) -> list[int]:
+        if target == "nginx" and self.nginx is not None:
+            return list(self.nginx.pids)
+        if target == "turnstile" and self.turnstile is not None:
+            return descendants(self.turnstile.proc.pid)
+        return []  # direct: no proxy; the backend's CPU is not the target's
+
+    def all_pids(self) -> list[int]:
+        pids = [self.backend.proc.pid]
+        if self.nginx is not None:
+            pids += self.nginx.pids
+        if self.turnstile is not None:
+            pids += descendants(self.turnstile.proc.pid)
+        return pids
+
+    def recording_cpu_s(self) -> float | None:
+        if self.turnstile is None:
+            return None
+        return thread_cpu_s(self.turnstile.proc.pid, RECORDING_THREADS)
+
+    def procs(self) -> list[tuple[subprocess.Popen[bytes], signal.Signals]]:
+        """Each process group with its stop signal: Turnstile first, the backend last."""
+        out = []
+        if self.turnstile is not None:
+            out.append((self.turnstile.proc, signal.SIGTERM))
+        if self.nginx is not None:
+            out.append((self.nginx.proc, signal.SIGQUIT))
+        out.append((self.backend.proc, signal.SIGTERM))
+        return out
+
+
+def stop_stacks(stacks: list[Stack]) -> None:
+    """Signal every group at once (Turnstile takes a second or two to publish), then wait
+    for each, SIGKILLing what lingers."""
+    procs = [p for stack in stacks for p in stack.procs()]
+    for proc, sig in procs:
+        if proc.poll() is None:
+            with contextlib.suppress(OSError):
+                os.killpg(proc.pid, sig)  # start_new_session: the group id is the pid
+    for proc, sig in procs:
+        stop_group(proc, sig)
+
+
+def start_stacks(
+    specs: list[tuple[str, float]], cfg: BenchConfig, workdir: Path, nginx_bin: str | None,
+    stacks: list[Stack],
+) -> None:
+    """Start one stack per (label, tokens/s) spec (0: back to back), appending to `stacks`
+    as each backend starts so that the caller's `finally` can stop whatever did."""
+    for label, rate in specs:
+        tokens = cfg.paced_tokens if rate else cfg.completion_tokens
+        port = free_port()
+        args = ["-m", "turnstile.bench.backend", "--port", str(port), "--prompt-tokens",
+                str(cfg.prompt_tokens), "--completion-tokens", str(tokens),
+                "--tokens-per-s", str(rate)]
+        stacks.append(Stack(label, spawn(f"backend-{label}", args, port, workdir)))
+    for stack in stacks:
+        stack.backend.wait_ready(BACKEND_START_TIMEOUT_S)
+    for stack in stacks:
+        if nginx_bin is not None:
+            stack.nginx = start_nginx(nginx_bin, workdir / f"nginx-{stack.label}", free_port(),
+                                      stack.backend.port)
+        if "turnstile" in cfg.targets:
+            port = free_port()
+            args = ["-m", "turnstile", "serve", "--backend", stack.backend.url, "--output",
+                    str(workdir / f"turnstile-{stack.label}"), "--port", str(port),
+                    "--log-level", "warning"]
+            stack.turnstile = spawn(f"turnstile-{stack.label}", args, port, workdir)
+    for stack in stacks:
+        if stack.turnstile is not None:
+            stack.turnstile.wait_ready(TURNSTILE_START_TIMEOUT_S)
+
+
+# -- rounds -------------------------------------------------------------------------------
+def loadgen_args(sc: Scenario, cfg: BenchConfig, url: str, out: Path,
+                 cpu: int | None) -> tuple[list[str], float]:
+    args = ["-m", "turnstile.bench.loadgen", "--url", url, "--concurrency",
+            str(sc.concurrency), "--stream" if sc.stream else "--no-stream", "--sync",
+            "--json-out", str(out), "--warmup", "1"]
+    if sc.paced:
+        ideal = cfg.paced_tokens / cfg.paced_rate
+        deadline = WARMUP_TIMEOUT_S + ideal * PACED_STREAMS_PER_WORKER * PACED_SLOWDOWN_ALLOWED
+        args += ["--requests", str(sc.concurrency * PACED_STREAMS_PER_WORKER),
+                 "--warmup-no-stream"]
+    else:
+        deadline = WARMUP_TIMEOUT_S + cfg.duration_s + DRAIN_ALLOWANCE_S
+        args += ["--duration", str(cfg.duration_s)]
+    args += ["--deadline", f"{deadline:.1f}"]
+    if cpu is not None:
+        args += ["--cpu", str(cpu)]
+    return args, deadline
+
+
+def _await_ready(proc: subprocess.Popen[bytes]) -> bool:
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], WARMUP_TIMEOUT_S)
+    return bool(ready) and proc.stdout.readline().strip() == b"READY"
+
+
+def run_round(stack: Stack, target: str, sc: Scenario, cfg: BenchConfig, workdir: Path,
+              cpu: int | None) -> dict[str, Any]:
+    out = workdir / "round.json"
+    out.unlink(missing_ok=True)
+    args, deadline = loadgen_args(sc, cfg, stack.url(target), out, cpu)
+    err = workdir / "loadgen.log"
+    with err.open("wb") as err_f:
+        proc = subprocess.Popen([sys.executable, *args], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=err_f, start_new_session=True)
+    pids = stack.target_pids(target)
+    backend = [stack.backend.proc.pid]
+    try:
+        if not _await_ready(proc):
+            raise RuntimeError(f"loadgen did not warm up: {err.read_text(errors='replace')}")
+        cpu0, back0, rec0 = process_cpu_s(pids), process_cpu_s(backend), stack.recording_cpu_s()
+        assert proc.stdin is not None
+        try:
+            proc.stdin.write(b"GO\n")
+            proc.stdin.flush()
+            proc.wait(deadline + LOADGEN_EXIT_SLACK_S)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"loadgen ran past its deadline of {deadline:.0f} s") from None
+        except BrokenPipeError:
+            proc.wait(LOADGEN_EXIT_SLACK_S)  # it died after warming up: reported below
+        cpu1, back1, rec1 = process_cpu_s(pids), process_cpu_s(backend), stack.recording_cpu_s()
+    finally:
+        stop_group(proc, grace_s=1.0)
+        for pipe in (proc.stdin, proc.stdout):
+            with contextlib.suppress(OSError):
+                if pipe is not None:
+                    pipe.close()
+    if proc.returncode != 0 or not out.exists():
+        raise RuntimeError(f"loadgen failed ({proc.returncode}): "
+                           f"{err.read_text(errors='replace')[-2000:]}")
+    res: dict[str, Any] = orjson.loads(out.read_bytes())
+    n = res["requests"]
+    events = n * sc.events_per_request(cfg)
+    proxy = target != "direct"
+    res["target"] = target
+    res["cpu_us_per_req"] = (cpu1 - cpu0) * 1e6 / n if proxy and n else None
+    res["cpu_us_per_event"] = (cpu1 - cpu0) * 1e6 / events if proxy and events else None
+    res["backend_cpu_us_per_req"] = (back1 - back0) * 1e6 / n if n else None
+    res["loadgen_cpu_us_per_req"] = res["loadgen_cpu_s"] * 1e6 / n if n else None
+    res["recording_us_per_turn"] = (
+        (rec1 - rec0) * 1e6 / n if target == "turnstile" and rec0 is not None
+        and rec1 is not None and n else None
+    )
+    res["events_per_s"] = res["req_per_s"] * sc.events_per_request(cfg)
+    return res
+
+
+METRICS: Final[tuple[str, ...]] = (
+    "req_per_s", "events_per_s", "latency_p50_ms", "latency_p99_ms", "ttfb_p50_ms",
+    "cpu_us_per_req", "cpu_us_per_event", "recording_us_per_turn", "backend_cpu_us_per_req",
+    "loadgen_cpu_us_per_req", "errors",
+)
+
+
+def spread(values: list[float | None]) -> dict[str, float] | None:
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return None
+    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
+
+
+def run_scenario(stack: Stack, sc: Scenario, cfg: BenchConfig, targets: list[str],
+                 workdir: Path, progress: bool) -> dict[str, Any]:
+    rounds: dict[str, list[dict[str, Any]]] = {t: [] for t in targets}
+    cpu = max(os.sched_getaffinity(0)) if sc.concurrency == 1 else None
+    pin = pinned(stack.all_pids(), cpu) if cpu is not None else contextlib.nullcontext()
+    rec_start = stack.recording_cpu_s() if "turnstile" in targets else None
+    with pin:
+        for r in range(cfg.rounds):
+            order = targets[r % len(targets):] + targets[: r % len(targets)]
+            for target in order:
+                rounds[target].append(run_round(stack, target, sc, cfg, workdir, cpu))
+                if progress:
+                    res = rounds[target][-1]
+                    print(f"  {sc.name} round {r + 1}/{cfg.rounds} {target}: "
+                          f"{res['requests']} requests, {res['req_per_s']:.0f}/s",
+                          file=sys.stderr, flush=True)
+    result: dict[str, Any] = {**asdict(sc), "pinned_cpu": cpu,
+                              "events_per_request": sc.events_per_request(cfg), "targets": {}}
+    for target, rs in rounds.items():
+        result["targets"][target] = {
+            "summary": {m: spread([r.get(m) for r in rs]) for m in METRICS},
+            "requests": sum(r["requests"] for r in rs), "rounds": rs,
+        }
+    if "turnstile" in targets:
+        time.sleep(RECORD_SETTLE_S)
+        rec_end = stack.recording_cpu_s()
+        # every request Turnstile answered is a recorded turn, warm-ups included
+        turns = sum(r["requests"] + r["warmup_requests"] for r in rounds["turnstile"])
+        result["recording_us_per_turn_total"] = (
+            (rec_end - rec_start) * 1e6 / turns
+            if rec_start is not None and rec_end is not None and turns else None
+        )
+    return result
+
+
+# -- report -------------------------------------------------------------------------------
+def _median(sc: dict[str, Any] | None, target: str, metric: str) -> float | None:
+    if sc is None or target not in sc["targets"]:
+        return None
+    s = sc["targets"][target]["summary"].get(metric)
+    return None if s is None else float(s["median"])
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _diff(a: float | None, b: float | None) -> float | None:
+    return a - b if a is not None and b is not None else None
+
+
+def derived(results: list[dict[str, Any]]) -> dict[str, Any]:
+    by_name = {r["name"]: r for r in results}
+    out: dict[str, Any] = {"cpu_ratio_turnstile_over_nginx": {}}
+    for r in results:
+        metric = "cpu_us_per_event" if r["stream"] else "cpu_us_per_req"
+        out["cpu_ratio_turnstile_over_nginx"][r["name"]] = _ratio(
+            _median(r, "turnstile", metric), _median(r, "nginx", metric))
+    ns1, s1 = by_name.get("nonstream-c1"), by_name.get("stream-c1")
+    paced = next((r for r in results if r["paced"]), None)
+    for proxy in ("nginx", "turnstile"):
+        out[f"added_p50_ms_c1_{proxy}"] = _diff(
+            _median(ns1, proxy, "latency_p50_ms"), _median(ns1, "direct", "latency_p50_ms"))
+        out[f"added_ttfb_p50_ms_c1_stream_{proxy}"] = _diff(
+            _median(s1, proxy, "ttfb_p50_ms"), _median(s1, "direct", "ttfb_p50_ms"))
+        out[f"paced_throughput_{proxy}_over_direct"] = _ratio(
+            _median(paced, proxy, "events_per_s"), _median(paced, "direct", "events_per_s"))
+        out[f"paced_p99_stream_time_{proxy}_over_direct"] = _ratio(
+            _median(paced, proxy, "latency_p99_ms"), _median(paced, "direct", "latency_p99_ms"))
+    return out
+
+
+def _fmt(x: float | None) -> str:
+    if x is None:
+        return "-"
+    if abs(x) >= 100:
+        return f"{x:.0f}"
+    return f"{x:.3g}" if abs(x) >= 1 else f"{x:.2g}"
+
+
+def _cell(s: dict[str, float] | None) -> str:
+    if s is None:
+        return "-"
+    return f"{_fmt(s['median'])} ({_fmt(s['min'])}-{_fmt(s['max'])})"
+
+
+COLUMNS: Final[tuple[tuple[str, str], ...]] = (
+    ("req/s", "req_per_s"), ("p50 ms", "latency_p50_ms"), ("p99 ms", "latency_p99_ms"),
+    ("TTFB p50 ms", "ttfb_p50_ms"), ("CPU us/req", "cpu_us_per_req"),
+    ("CPU us/event", "cpu_us_per_event"), ("rec us/turn", "recording_us_per_turn"),
+    ("errors", "errors"),
+)
+
+
+def format_report(report: dict[str, Any]) -> str:
+    m = report["machine"]
+    lines = [f"machine: {m['cpu_model']}, {m['cpu_count']} CPUs ({m['cpus_allowed']} allowed), "
+             f"loadavg before: {m['loadavg_before']}",
+             "cells: median (min-max) over rounds; CPU is the proxy's own"]
+    for why in report["skipped"].values():
+        lines.append(f"skipped: {why}")
+    for sc in report["scenarios"]:
+        pin = f", pinned to CPU {sc['pinned_cpu']}" if sc["pinned_cpu"] is not None else ""
+        lines.append(f"\n{sc['name']} (concurrency {sc['concurrency']}{pin})")
+        rows = [["target", *(c for c, _ in COLUMNS)]]
+        for target, t in sc["targets"].items():
+            rows.append([target, *(_cell(t["summary"][k]) for _, k in COLUMNS)])
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True))
+                  for row in rows]
+        if sc.get("recording_us_per_turn_total") is not None:
+            lines.append(f"  turnstile recording threads, whole scenario: "
+                         f"{_fmt(sc['recording_us_per_turn_total'])} us/turn")
+    lines.append("\nderived (from medians):")
+    for key, value in report["derived"].items():
+        if isinstance(value, dict):
+            for name, v in value.items():
+                lines.append(f"  {key}[{name}]: {_fmt(v)}")
+        else:
+            lines.append(f"  {key}: {_fmt(value)}")
+    return "\n".join(lines)
+
+
+# -- entry point --------------------------------------------------------------------------
+def resolve_config(cfg: BenchConfig) -> BenchConfig:
+    if cfg.quick:
+        for key, value in QUICK.items():
+            setattr(cfg, key, value)
+    unknown = sorted(set(cfg.targets) - set(TARGETS))
+    if unknown or not cfg.targets:
+        raise ValueError(f"targets must be among {', '.join(TARGETS)}, not {unknown}")
+    if cfg.rounds < 1 or cfg.duration_s <= 0 or any(c < 1 for c in cfg.concurrency):
+        raise ValueError("rounds, duration and concurrency must be positive")
+    if cfg.paced_rate <= 0 or cfg.paced_tokens < 1 or cfg.completion_tokens < 1:
+        raise ValueError("paced rate and token counts must be positive")
+    cfg.targets = [t for t in TARGETS if t in cfg.targets]
+    return cfg
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def run_bench(cfg: BenchConfig, json_path: Path | None = None,
+              progress: bool = True) -> dict[str, Any]:
+    """Run every scenario; print the table, write `json_path`; returns the report."""
+    cfg = resolve_config(cfg)
+    started = time.monotonic()
+    machine = machine_info()
+    skipped: dict[str, str] = {}
+    targets = list(cfg.targets)
+    nginx_bin = find_nginx() if "nginx" in targets else None
+    if "nginx" in targets and nginx_bin is None:
+        skipped["nginx"] = "nginx is not installed (apt-get install nginx-light); not measured"
+        targets.remove("nginx")
+        if not targets:
+            raise ValueError(skipped["nginx"] + ", and no other target was asked for")
+    machine["nginx_version"] = (".".join(map(str, nginx_version(nginx_bin) or ()))
+                                if nginx_bin else None)
+    workdir = Path(tempfile.mkdtemp(prefix="turnstile-bench-"))
+    stacks: list[Stack] = []
+    old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        specs = [("main", 0.0)]
+        if cfg.paced_streams > 0:
+            specs.append(("paced", cfg.paced_rate))
+        start_stacks(specs, cfg, workdir, nginx_bin, stacks)
+        results = []
+        for sc in scenarios(cfg):
+            stack = stacks[1] if sc.paced else stacks[0]
+            if progress:
+                print(f"{sc.name}: {cfg.rounds} rounds x {', '.join(targets)}",
+                      file=sys.stderr, flush=True)
+            results.append(run_scenario(stack, sc, cfg, targets, workdir, progress))
+    finally:
+        stop_stacks(stacks)
+        signal.signal(signal.SIGTERM, old_term)
+        if cfg.keep:
+            print(f"kept: {workdir}", file=sys.stderr)
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        machine["loadavg_after"] = Path("/proc/loadavg").read_text().strip()
+    report = {
+        "config": asdict(cfg), "machine": machine, "skipped": skipped,
+        "targets": targets, "scenarios": results, "derived": derived(results),
+        "elapsed_s": round(time.monotonic() - started, 2),
+        "workdir": str(workdir) if cfg.keep else None,
+    }
+    print(format_report(report))
+    if json_path is not None:
+        json_path.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
+    return report
