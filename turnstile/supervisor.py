@@ -52,6 +52,7 @@ class Supervisor:
         self.started: dict[int, float] = {}
         self.quick_exits = 0
         self.stopping = False
+        self.terminated: set[int] = set()  # pids already sent SIGTERM
 
     def _env(self, index: int) -> dict[str, str]:
         env = {**os.environ, ENV_INDEX: str(index), ENV_RUNDIR: str(self.rundir)}
@@ -75,8 +76,13 @@ class Supervisor:
     def _signal(self, sig: int, frame: FrameType | None) -> None:
         self.stopping = True
         for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+            self._terminate(proc)
+
+    def _terminate(self, proc: subprocess.Popen[bytes]) -> None:
+        """SIGTERM once: a worker takes a second signal as "stop now, skip the drain"."""
+        if proc.poll() is None and proc.pid not in self.terminated:
+            self.terminated.add(proc.pid)
+            proc.send_signal(signal.SIGTERM)
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._signal)
@@ -115,8 +121,7 @@ class Supervisor:
         deadline = time.monotonic() + STOP_GRACE_S
         worst = 0
         for i, proc in self.procs.items():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+            self._terminate(proc)
             try:
                 code = proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
