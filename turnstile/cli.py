@@ -178,6 +178,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         completion_tokens=args.completion_tokens, paced_tokens=args.paced_tokens,
         paced_rate=args.paced_rate, paced_streams=args.paced_streams,
         concurrency=args.concurrency, targets=args.targets, keep=args.keep, quick=args.quick,
+        soak_s=args.soak,
     )
     try:
         run_bench(cfg, args.json)
@@ -203,8 +204,13 @@ def _add_bench_flags(p: argparse.ArgumentParser) -> None:
                    help="concurrent paced streams (0: no paced scenario)")
     p.add_argument("--concurrency", type=_int_list, default=[1, 32, 256],
                    metavar="C,C,...", help="concurrency levels (default 1,32,256)")
-    p.add_argument("--targets", type=_name_list, default=["direct", "nginx", "turnstile"],
-                   metavar="T,T,...", help="subset of direct,nginx,turnstile")
+    p.add_argument("--targets", type=_name_list,
+                   default=["direct", "nginx", "turnstile", "turnstile-2w"],
+                   metavar="T,T,...",
+                   help="subset of direct,nginx,turnstile,turnstile-2w (2 worker processes)")
+    p.add_argument("--soak", type=float, default=0.0, metavar="SECONDS",
+                   help="afterwards, paced streams through Turnstile for this long with its "
+                   "resident memory sampled (e.g. 600)")
     p.add_argument("--quick", action="store_true",
                    help="2 rounds of 1 s, concurrency 1 and 32, paced 32 streams x 20 tokens")
     p.add_argument("--keep", action="store_true", help="keep the temp dir (logs, shards)")

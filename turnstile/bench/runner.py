@@ -36,8 +36,13 @@ import orjson
 
 from turnstile.bench import descendants, free_port, healthy, stop_group, wait_until
 from turnstile.bench.nginx import Nginx, find_nginx, nginx_version, start_nginx
+from turnstile.bench.report import derived, format_report
 
-TARGETS: Final[tuple[str, ...]] = ("direct", "nginx", "turnstile")
+TARGETS: Final[tuple[str, ...]] = ("direct", "nginx", "turnstile", "turnstile-2w")
+# Turnstile targets and their worker processes (`turnstile serve --workers N`).
+TURNSTILE_WORKERS: Final[dict[str, int]] = {"turnstile": 1, "turnstile-2w": 2}
+# Resident memory of the soak's Turnstile is sampled this often.
+SOAK_SAMPLE_S: Final[float] = 10.0
 RECORDING_THREADS: Final[frozenset[str]] = frozenset({"ts-writer", "ts-journal"})
 CLK_TCK: Final[int] = os.sysconf("SC_CLK_TCK")
 # The backend builds its answers on the first request; it is up in well under a second.
@@ -79,6 +84,7 @@ class BenchConfig:
     targets: list[str] = field(default_factory=lambda: list(TARGETS))
     keep: bool = False
     quick: bool = False
+    soak_s: float = 0.0  # after the scenarios: paced streams for this long, RSS sampled
 
 
 @dataclass(frozen=True)
@@ -218,26 +224,34 @@ class Stack:
     label: str
     backend: Server
     nginx: Nginx | None = None
-    turnstile: Server | None = None
+    turnstiles: dict[str, Server] = field(default_factory=dict)  # by target name
+
+    @property
+    def turnstile(self) -> Server | None:
+        return self.turnstiles.get("turnstile")
 
     def url(self, target: str) -> str:
-        base = {"direct": self.backend.url, "nginx": self.nginx.url if self.nginx else "",
-                "turnstile": self.turnstile.url if self.turnstile else ""}[target]
+        if target == "direct":
+            base = self.backend.url
+        elif target == "nginx":
+            base = self.nginx.url if self.nginx else ""
+        else:
+            base = self.turnstiles[target].url
         return base + "/v1/chat/completions"
 
     def target_pids(self, target: str) -> list[int]:
         if target == "nginx" and self.nginx is not None:
             return list(self.nginx.pids)
-        if target == "turnstile" and self.turnstile is not None:
-            return descendants(self.turnstile.proc.pid)
+        if target in self.turnstiles:  # the supervisor and its workers, if any
+            return descendants(self.turnstiles[target].proc.pid)
         return []  # direct: no proxy; the backend's CPU is not the target's
 
     def all_pids(self) -> list[int]:
         pids = [self.backend.proc.pid]
         if self.nginx is not None:
             pids += self.nginx.pids
-        if self.turnstile is not None:
-            pids += descendants(self.turnstile.proc.pid)
+        for server in self.turnstiles.values():
+            pids += descendants(server.proc.pid)
         return pids
 
     def recording_cpu_s(self) -> float | None:
@@ -248,8 +262,8 @@ class Stack:
     def procs(self) -> list[tuple[subprocess.Popen[bytes], signal.Signals]]:
         """Each process group with its stop signal: Turnstile first, the backend last."""
         out = []
-        if self.turnstile is not None:
-            out.append((self.turnstile.proc, signal.SIGTERM))
+        for server in self.turnstiles.values():
+            out.append((server.proc, signal.SIGTERM))
         if self.nginx is not None:
             out.append((self.nginx.proc, signal.SIGQUIT))
         out.append((self.backend.proc, signal.SIGTERM))
@@ -287,15 +301,18 @@ def start_stacks(
         if nginx_bin is not None:
             stack.nginx = start_nginx(nginx_bin, workdir / f"nginx-{stack.label}", free_port(),
                                       stack.backend.port)
-        if "turnstile" in cfg.targets:
+        for target, workers in TURNSTILE_WORKERS.items():
+            if target not in cfg.targets:
+                continue
             port = free_port()
+            name = f"{target}-{stack.label}"
             args = ["-m", "turnstile", "serve", "--backend", stack.backend.url, "--output",
-                    str(workdir / f"turnstile-{stack.label}"), "--port", str(port),
-                    "--log-level", "warning"]
-            stack.turnstile = spawn(f"turnstile-{stack.label}", args, port, workdir)
+                    str(workdir / name), "--port", str(port), "--log-level", "warning",
+                    "--workers", str(workers)]
+            stack.turnstiles[target] = spawn(name, args, port, workdir)
     for stack in stacks:
-        if stack.turnstile is not None:
-            stack.turnstile.wait_ready(TURNSTILE_START_TIMEOUT_S)
+        for server in stack.turnstiles.values():
+            server.wait_ready(TURNSTILE_START_TIMEOUT_S)
 
 
 # -- rounds -------------------------------------------------------------------------------
@@ -424,94 +441,6 @@ def run_scenario(stack: Stack, sc: Scenario, cfg: BenchConfig, targets: list[str
     return result
 
 
-# -- report -------------------------------------------------------------------------------
-def _median(sc: dict[str, Any] | None, target: str, metric: str) -> float | None:
-    if sc is None or target not in sc["targets"]:
-        return None
-    s = sc["targets"][target]["summary"].get(metric)
-    return None if s is None else float(s["median"])
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
-def _diff(a: float | None, b: float | None) -> float | None:
-    return a - b if a is not None and b is not None else None
-
-
-def derived(results: list[dict[str, Any]]) -> dict[str, Any]:
-    by_name = {r["name"]: r for r in results}
-    out: dict[str, Any] = {"cpu_ratio_turnstile_over_nginx": {}}
-    for r in results:
-        metric = "cpu_us_per_event" if r["stream"] else "cpu_us_per_req"
-        out["cpu_ratio_turnstile_over_nginx"][r["name"]] = _ratio(
-            _median(r, "turnstile", metric), _median(r, "nginx", metric))
-    ns1, s1 = by_name.get("nonstream-c1"), by_name.get("stream-c1")
-    paced = next((r for r in results if r["paced"]), None)
-    for proxy in ("nginx", "turnstile"):
-        out[f"added_p50_ms_c1_{proxy}"] = _diff(
-            _median(ns1, proxy, "latency_p50_ms"), _median(ns1, "direct", "latency_p50_ms"))
-        out[f"added_ttfb_p50_ms_c1_stream_{proxy}"] = _diff(
-            _median(s1, proxy, "ttfb_p50_ms"), _median(s1, "direct", "ttfb_p50_ms"))
-        out[f"paced_throughput_{proxy}_over_direct"] = _ratio(
-            _median(paced, proxy, "events_per_s"), _median(paced, "direct", "events_per_s"))
-        out[f"paced_p99_stream_time_{proxy}_over_direct"] = _ratio(
-            _median(paced, proxy, "latency_p99_ms"), _median(paced, "direct", "latency_p99_ms"))
-    return out
-
-
-def _fmt(x: float | None) -> str:
-    if x is None:
-        return "-"
-    if abs(x) >= 100:
-        return f"{x:.0f}"
-    return f"{x:.3g}" if abs(x) >= 1 else f"{x:.2g}"
-
-
-def _cell(s: dict[str, float] | None) -> str:
-    if s is None:
-        return "-"
-    return f"{_fmt(s['median'])} ({_fmt(s['min'])}-{_fmt(s['max'])})"
-
-
-COLUMNS: Final[tuple[tuple[str, str], ...]] = (
-    ("req/s", "req_per_s"), ("p50 ms", "latency_p50_ms"), ("p99 ms", "latency_p99_ms"),
-    ("TTFB p50 ms", "ttfb_p50_ms"), ("CPU us/req", "cpu_us_per_req"),
-    ("CPU us/event", "cpu_us_per_event"), ("rec us/turn", "recording_us_per_turn"),
-    ("errors", "errors"),
-)
-
-
-def format_report(report: dict[str, Any]) -> str:
-    m = report["machine"]
-    lines = [f"machine: {m['cpu_model']}, {m['cpu_count']} CPUs ({m['cpus_allowed']} allowed), "
-             f"loadavg before: {m['loadavg_before']}",
-             "cells: median (min-max) over rounds; CPU is the proxy's own"]
-    for why in report["skipped"].values():
-        lines.append(f"skipped: {why}")
-    for sc in report["scenarios"]:
-        pin = f", pinned to CPU {sc['pinned_cpu']}" if sc["pinned_cpu"] is not None else ""
-        lines.append(f"\n{sc['name']} (concurrency {sc['concurrency']}{pin})")
-        rows = [["target", *(c for c, _ in COLUMNS)]]
-        for target, t in sc["targets"].items():
-            rows.append([target, *(_cell(t["summary"][k]) for _, k in COLUMNS)])
-        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-        lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True))
-                  for row in rows]
-        if sc.get("recording_us_per_turn_total") is not None:
-            lines.append(f"  turnstile recording threads, whole scenario: "
-                         f"{_fmt(sc['recording_us_per_turn_total'])} us/turn")
-    lines.append("\nderived (from medians):")
-    for key, value in report["derived"].items():
-        if isinstance(value, dict):
-            for name, v in value.items():
-                lines.append(f"  {key}[{name}]: {_fmt(v)}")
-        else:
-            lines.append(f"  {key}: {_fmt(value)}")
-    return "\n".join(lines)
-
-
 # -- entry point --------------------------------------------------------------------------
 def resolve_config(cfg: BenchConfig) -> BenchConfig:
     if cfg.quick:
@@ -526,6 +455,50 @@ def resolve_config(cfg: BenchConfig) -> BenchConfig:
         raise ValueError("paced rate and token counts must be positive")
     cfg.targets = [t for t in TARGETS if t in cfg.targets]
     return cfg
+
+
+def rss_mb(pids: list[int]) -> float:
+    """Resident memory of `pids` together, in MiB (VmRSS from /proc)."""
+    total_kb = 0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total_kb += int(line.split()[1])
+    return total_kb / 1024
+
+
+def run_soak(stack: Stack, cfg: BenchConfig, workdir: Path) -> dict[str, Any]:
+    """Paced streams through Turnstile for `cfg.soak_s`, its resident memory sampled."""
+    assert stack.turnstile is not None
+    out = workdir / "soak.json"
+    deadline = WARMUP_TIMEOUT_S + cfg.soak_s + DRAIN_ALLOWANCE_S
+    args = ["-m", "turnstile.bench.loadgen", "--url", stack.url("turnstile"),
+            "--concurrency", str(cfg.paced_streams), "--stream", "--duration",
+            str(cfg.soak_s), "--json-out", str(out), "--warmup", "1",
+            "--deadline", f"{deadline:.1f}"]
+    pids = descendants(stack.turnstile.proc.pid)
+    samples = [(0.0, rss_mb(pids))]
+    start = time.monotonic()
+    proc = subprocess.Popen([sys.executable, *args], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        while proc.poll() is None and time.monotonic() - start < deadline:
+            time.sleep(min(SOAK_SAMPLE_S, max(0.1, cfg.soak_s / 10)))
+            samples.append((round(time.monotonic() - start, 1), rss_mb(pids)))
+    finally:
+        stop_group(proc, grace_s=1.0)
+    res: dict[str, Any] = orjson.loads(out.read_bytes()) if out.exists() else {}
+    second_half = [mb for t, mb in samples if t >= cfg.soak_s / 2] or [samples[-1][1]]
+    return {
+        "duration_s": cfg.soak_s, "streams": cfg.paced_streams,
+        "tokens_per_s": cfg.paced_rate, "requests": res.get("requests"),
+        "errors": res.get("errors"), "rss_mb": samples,
+        "rss_start_mb": samples[0][1], "rss_max_mb": max(mb for _, mb in samples),
+        "rss_end_mb": samples[-1][1],
+        "rss_second_half_range_mb": [min(second_half), max(second_half)],
+    }
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:
@@ -550,6 +523,7 @@ def run_bench(cfg: BenchConfig, json_path: Path | None = None,
                                 if nginx_bin else None)
     workdir = Path(tempfile.mkdtemp(prefix="turnstile-bench-"))
     stacks: list[Stack] = []
+    soak: dict[str, Any] | None = None
     old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         specs = [("main", 0.0)]
@@ -563,6 +537,11 @@ def run_bench(cfg: BenchConfig, json_path: Path | None = None,
                 print(f"{sc.name}: {cfg.rounds} rounds x {', '.join(targets)}",
                       file=sys.stderr, flush=True)
             results.append(run_scenario(stack, sc, cfg, targets, workdir, progress))
+        if cfg.soak_s > 0 and "turnstile" in targets:
+            if progress:
+                print(f"soak: {cfg.paced_streams} paced streams for {cfg.soak_s:g} s",
+                      file=sys.stderr, flush=True)
+            soak = run_soak(stacks[-1], cfg, workdir)
     finally:
         stop_stacks(stacks)
         signal.signal(signal.SIGTERM, old_term)
@@ -574,7 +553,7 @@ def run_bench(cfg: BenchConfig, json_path: Path | None = None,
         machine["loadavg_after"] = Path("/proc/loadavg").read_text().strip()
     report = {
         "config": asdict(cfg), "machine": machine, "skipped": skipped,
-        "targets": targets, "scenarios": results, "derived": derived(results),
+        "targets": targets, "scenarios": results, "derived": derived(results), "soak": soak,
         "elapsed_s": round(time.monotonic() - started, 2),
         "workdir": str(workdir) if cfg.keep else None,
     }
