@@ -21,8 +21,9 @@ from turnstile.journal_codec import Event, RewardsPosted, RolloutCreated, Rollou
 from turnstile.limits import MAX_OPEN_ROLLOUT_BYTES, MAX_ROLLOUT_BYTES, MAX_ROLLOUT_ID_LENGTH
 from turnstile.records import Reward, RolloutStatus, TurnRecord
 
-# Sealed rollouts kept for GET /rollouts/{id} (their turns are released at sealing).
-MAX_SEALED_REMEMBERED = 100_000
+# Sealed rollouts kept for GET /rollouts/{id} (their turns are released at sealing):
+# enough for the last few minutes of a busy fleet, and a bounded ~10-20 MB of memory.
+MAX_SEALED_REMEMBERED = 10_000
 
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
 

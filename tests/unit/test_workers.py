@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 
 from tests.unit.test_crash_recovery import _port, backend_url  # noqa: F401  (fixture)
 from turnstile.reader import open_output
