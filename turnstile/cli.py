@@ -191,6 +191,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_check_template(args: argparse.Namespace) -> int:
+    from turnstile.templates.command import run
+
+    return run(args)
+
+
 def _add_bench_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds per scenario")
     p.add_argument("--duration", type=float, default=3.0,
@@ -273,6 +279,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_bench_flags(bench)
     bench.set_defaults(func=cmd_bench)
+
+    check_template = sub.add_parser(
+        "check-template", help="audit a chat template for token-in-token-out stitching",
+        description="Render a battery of conversations with a tokenizer's chat template (or "
+        "--template) and check, per message kind, that each rendering extends the previous "
+        "one in text and tokens where TITO joins prompt, completion and new messages, and "
+        "that assistant turns end with a stop token. Exits 0 if TITO-safe, 1 if not, 2 for "
+        "bad input.",
+    )
+    from turnstile.templates.command import add_arguments as _add_check_template_flags
+
+    _add_check_template_flags(check_template)
+    check_template.set_defaults(func=cmd_check_template)
     return parser
 
 
