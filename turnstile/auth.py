@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from turnstile.asgi import send_error
 from turnstile.errors import Forbidden, TurnstileError, Unauthorized
 
 # Routes open without a key: liveness probes run without credentials.
@@ -134,16 +135,4 @@ class AuthMiddleware:
             return
         else:
             err = Forbidden("this key belongs to one rollout and cannot be used here")
-        await _refuse(send, err)
-
-
-async def _refuse(send: Send, err: TurnstileError) -> None:
-    body = err.body_bytes()
-    headers = [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(body)).encode()),
-    ]
-    if err.status == 401:
-        headers.append((b"www-authenticate", b"Bearer"))
-    await send({"type": "http.response.start", "status": err.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+        await send_error(send, err)

@@ -72,6 +72,9 @@ class Unauthorized(TurnstileError):
     status = 401
     error_type = "authentication_error"
 
+    def headers(self) -> dict[str, str]:
+        return {"WWW-Authenticate": "Bearer"}
+
 
 class Forbidden(TurnstileError):
     """A valid key used outside its scope (a rollout key on another rollout)."""

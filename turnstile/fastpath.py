@@ -15,10 +15,11 @@ import logging
 import re
 from typing import Final
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
+from turnstile.asgi import read_body, send_error
 from turnstile.capture import CHAT, COMPLETIONS
-from turnstile.errors import BadRequest, PayloadTooLarge, TurnstileError
+from turnstile.errors import BadRequest, TurnstileError
 from turnstile.proxy import Proxy, Relay, StreamRelay
 from turnstile.rollouts import check_rollout_id
 from turnstile.routes import POLICY_HEADER, ROLLOUT_HEADER, StreamingRelayResponse
@@ -56,11 +57,11 @@ class CompletionFastPath:
         except TurnstileError as exc:
             if exc.status >= 500:
                 log.warning("POST %s -> %d: %s", scope["path"], exc.status, exc.message)
-            await _send_error(send, exc)
+            await send_error(send, exc)
             return
         except Exception:
             log.exception("unexpected error on POST %s", scope["path"])
-            await _send_error(send, TurnstileError("internal error in Turnstile"))
+            await send_error(send, TurnstileError("internal error in Turnstile"))
             return
         if isinstance(result, StreamRelay):
             await StreamingRelayResponse(result)(scope, receive, send)
@@ -96,30 +97,6 @@ class CompletionFastPath:
         )
 
 
-async def read_body(receive: Receive, declared: bytes | None, limit: int) -> bytes:
-    """The request body, refused with 413 before more than `limit` bytes are buffered."""
-    if declared is not None:
-        try:
-            size = int(declared)
-        except ValueError:
-            raise BadRequest("invalid Content-Length header") from None
-        if size > limit:
-            raise PayloadTooLarge(f"request body of {size} bytes exceeds the limit of {limit}")
-    parts: list[bytes] = []
-    total = 0
-    while True:
-        message: Message = await receive()
-        if message["type"] == "http.disconnect":
-            raise BadRequest("the client disconnected before sending the whole body")
-        chunk = message.get("body", b"")
-        total += len(chunk)
-        if total > limit:
-            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-        parts.append(chunk)
-        if not message.get("more_body", False):
-            return parts[0] if len(parts) == 1 else b"".join(parts)
-
-
 def _text(value: bytes | None) -> str | None:
     return None if value is None else value.decode("latin-1")
 
@@ -131,14 +108,3 @@ def _policy_version(value: bytes | None) -> int | None:
         return int(value)
     except ValueError:
         raise BadRequest(f"{POLICY_HEADER} must be an integer, got {_text(value)!r}") from None
-
-
-async def _send_error(send: Send, exc: TurnstileError) -> None:
-    body = exc.body_bytes()
-    content_type = getattr(exc, "content_type", "application/json")
-    headers = [(b"content-type", content_type.encode("latin-1")),
-               (b"content-length", str(len(body)).encode())]
-    headers += [(k.lower().encode("latin-1"), v.encode("latin-1"))
-                for k, v in exc.headers().items()]
-    await send({"type": "http.response.start", "status": exc.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})

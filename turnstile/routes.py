@@ -20,12 +20,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import JSONResponse, Response
 from starlette.types import Message, Receive, Scope, Send
 
+from turnstile import asgi
 from turnstile.auth import RolloutKeys
 from turnstile.capture import CHAT, COMPLETIONS
 from turnstile.errors import (
     BadRequest,
     NotFound,
-    PayloadTooLarge,
     TurnstileError,
     Unprocessable,
 )
@@ -103,22 +103,7 @@ def error_response(exc: TurnstileError) -> Response:
 
 async def read_body(request: Request, limit: int) -> bytes:
     """The request body, refused with 413 before more than `limit` bytes are buffered."""
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        try:
-            size = int(declared)
-        except ValueError:
-            raise BadRequest("invalid Content-Length header") from None
-        if size > limit:
-            raise PayloadTooLarge(f"request body of {size} bytes exceeds the limit of {limit}")
-    parts: list[bytes] = []
-    total = 0
-    async for chunk in request.stream():
-        total += len(chunk)
-        if total > limit:
-            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-        parts.append(chunk)
-    return b"".join(parts)
+    return await asgi.read_body(request.receive, request.headers.get("content-length"), limit)
 
 
 def _policy_header(request: Request) -> int | None:

@@ -32,9 +32,9 @@ from typing import Final
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from turnstile.asgi import read_body, send_error
 from turnstile.backend import AiohttpBackend, Backend, BackendResponse, Timeouts
 from turnstile.errors import Overloaded, TurnstileError
-from turnstile.fastpath import read_body
 
 log = logging.getLogger("turnstile.workers")
 
@@ -125,7 +125,7 @@ class WorkerRouter:
         try:
             body = await self._body(scope, receive)
         except TurnstileError as exc:
-            await _send_error(send, exc)
+            await send_error(send, exc)
             return
         await self._forward(owner, scope, body, receive, send)
 
@@ -150,7 +150,7 @@ class WorkerRouter:
         try:
             body = await self._body(scope, receive)
         except TurnstileError as exc:
-            await _send_error(send, exc)
+            await send_error(send, exc)
             return
         rid = None
         with contextlib.suppress(orjson.JSONDecodeError):
@@ -167,7 +167,7 @@ class WorkerRouter:
         try:
             body = await self._body(scope, receive)
         except TurnstileError as exc:
-            await _send_error(send, exc)
+            await send_error(send, exc)
             return
         started: list[Message] = []  # this worker's answer, held until the peers have it
         pending: list[Message] = []
@@ -190,7 +190,7 @@ class WorkerRouter:
                         f"the policy version was set on worker {self.index} but worker {i} "
                         f"did not take it ({exc}); retry", retry_after_s=1,
                     )
-                    await _send_error(send, err)
+                    await send_error(send, err)
                     return
                 if resp.status >= 300:
                     log.error("worker %d refused the policy version: %d", i, resp.status)
@@ -207,7 +207,7 @@ class WorkerRouter:
                 scope["method"], path, body or None, _forward_headers(scope)
             )
         except TurnstileError as exc:
-            await _send_error(send, Overloaded(
+            await send_error(send, Overloaded(
                 f"worker {owner}, which owns this rollout, is unavailable: {exc.message}",
                 retry_after_s=1,
             ))
@@ -257,15 +257,6 @@ def _replay(body: bytes, receive: Receive) -> Receive:
 async def _disconnected(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
-
-
-async def _send_error(send: Send, exc: TurnstileError) -> None:
-    body = exc.body_bytes()
-    headers = [(b"content-type", b"application/json"),
-               (b"content-length", str(len(body)).encode())]
-    headers += [(k.lower().encode(), v.encode()) for k, v in exc.headers().items()]
-    await send({"type": "http.response.start", "status": exc.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
 
 
 @dataclass(frozen=True, slots=True)
