@@ -54,9 +54,9 @@ class Supervisor:
         self.stopping = False
         self.terminated: set[int] = set()  # pids already sent SIGTERM
 
-    def _env(self, index: int) -> dict[str, str]:
+    def _env(self, index: int, count_changed: bool) -> dict[str, str]:
         env = {**os.environ, ENV_INDEX: str(index), ENV_RUNDIR: str(self.rundir)}
-        if self._count_changed():
+        if count_changed:
             env["TURNSTILE_RECOVER_OPEN_ROLLOUTS"] = "interrupt"
         return env
 
@@ -87,7 +87,8 @@ class Supervisor:
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._signal)
         signal.signal(signal.SIGINT, self._signal)
-        envs = {i: self._env(i) for i in range(self.settings.workers)}
+        changed = self._count_changed()
+        envs = {i: self._env(i, changed) for i in range(self.settings.workers)}
         journal_root = self.settings.output / JOURNAL_DIR
         journal_root.mkdir(parents=True, exist_ok=True)
         (journal_root / WORKERS_FILE).write_text(f"{self.settings.workers}\n")
