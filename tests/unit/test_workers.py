@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.unit.test_crash_recovery import _port, backend_url  # noqa: F401  (fixture)
+from tests.unit.test_crash_recovery import _cli, _port, backend_url  # noqa: F401  (fixture)
 from turnstile.reader import open_output
 from turnstile.workers import owner_of
 
@@ -147,15 +147,11 @@ def test_verify_and_recover_read_every_worker_journal(
         os.killpg(proc.pid, signal.SIGKILL)  # the supervisor and both workers at once
         proc.wait(30)
 
-    def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "turnstile", *args],
-                              capture_output=True, text=True, timeout=120, check=False)
-
-    before = cli("verify", str(out))
+    before = _cli("verify", str(out))
     assert before.returncode == 1 and "8 journaled turns are not in published shards" in (
         before.stdout), before.stdout
-    assert cli("recover", str(out)).returncode == 0
-    after = cli("verify", str(out))
+    assert _cli("recover", str(out)).returncode == 0
+    after = _cli("verify", str(out))
     assert after.returncode == 0, after.stdout
     turns = open_output(out).turns(columns=["rollout_id"]).to_pylist()
     assert sorted(t["rollout_id"] for t in turns) == sorted(rollouts)
