@@ -12,26 +12,36 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import orjson
 from fastapi import FastAPI
 
 from turnstile import __version__
 from turnstile.auth import AuthMiddleware, RolloutKeys
-from turnstile.backend import AiohttpBackend, Backend, Timeouts
+from turnstile.backend import Backend, Timeouts
+from turnstile.backend_setup import build_backend
 from turnstile.errors import TurnstileError
 from turnstile.fastpath import CompletionFastPath
 from turnstile.journal import FileJournal, list_segments
 from turnstile.limits import ROLLOUT_SWEEP_INTERVAL_S, WRITER_JOIN_TIMEOUT_S
+from turnstile.logs import RequestContext
+from turnstile.metrics import HTTPMetrics, add_metrics_route
+from turnstile.metrics import attach as attach_metrics
+from turnstile.objstore import ObjectStorePublisher, open_store
+from turnstile.pool import BackendPool
 from turnstile.proxy import Proxy
 from turnstile.recorder import Recorder
 from turnstile.recovery import JOURNAL_DIR, apply_recovery, recover
 from turnstile.retention import retain_forever
 from turnstile.routes import add_routes, install_error_handlers
 from turnstile.runtime import tune_gc
-from turnstile.settings import Settings, resolve_secret
+from turnstile.settings import Settings, SettingsError, resolve_secret
 from turnstile.shards import ParquetShardSink, Sink
 from turnstile.tokenizer import LocalTokenizer
+
+if TYPE_CHECKING:
+    from turnstile.tito import TitoEngine
 from turnstile.workers import WorkerRouter, WorkerSpec, id_factory, peer_clients
 
 log = logging.getLogger("turnstile")
@@ -57,6 +67,30 @@ async def _model_identity(backend: Backend) -> str | None:
     return ", ".join(names) or None
 
 
+def _tito_engine(
+    settings: Settings, backend: Backend, tokenizer: LocalTokenizer | None
+) -> TitoEngine:
+    """TITO mode's engine; a template the audit refuses stops start-up with the reason."""
+    from turnstile.tito import TemplateRefused, build_engine
+
+    if tokenizer is None:  # settings require one in TITO mode
+        raise SettingsError("mode 'tito' needs a tokenizer directory")
+    try:
+        return build_engine(
+            backend,
+            tokenizer.hf,
+            template_path=settings.chat_template,
+            chat_template_kwargs=settings.chat_template_kwargs,
+            on_rewrite=settings.tito_on_rewrite,
+            apply_fixes=settings.tito_apply_fixes,
+            allow_unsafe=settings.allow_unsafe_template,
+            tool_parser=settings.tool_parser,
+            reasoning_parser=settings.reasoning_parser,
+        )
+    except TemplateRefused as exc:
+        raise SettingsError(f"TITO mode: {exc}") from None
+
+
 def create_app(
     settings: Settings,
     *,
@@ -76,13 +110,9 @@ def create_app(
     journal_dir = settings.output / JOURNAL_DIR
     if worker is not None:
         journal_dir = journal_dir / worker.suffix
-    if backend is None:
-        backend = AiohttpBackend(
-            settings.backend,
-            timeouts,
-            pool_size=settings.backend_pool_size,
-            api_key=resolve_secret(settings.backend_api_key_env),
-        )
+    if backend is None:  # one vLLM client, or the SGLang adapter, or a pool of them
+        backend = build_backend(settings, timeouts, tokenizer)
+    publisher = _publisher(settings, writer_id)
     # The sink reads this mapping when it writes a shard; the model is filled in at start-up.
     identity = {
         "turnstile.version": __version__,
@@ -97,6 +127,8 @@ def create_app(
             identity=identity,
             max_rows=settings.shard_max_rows,
             max_age_s=settings.shard_max_age_s,
+            # With an object store this is only staging: the store holds the manifest.
+            manifest=publisher is None,
         )
     recorder = Recorder(sink, max_backlog=settings.recorder_queue_size, tokenizer=tokenizer)
     proxy = Proxy(
@@ -108,6 +140,8 @@ def create_app(
         max_rollout_bytes=settings.max_rollout_bytes,
         max_open_rollout_bytes=settings.max_open_rollout_bytes,
     )
+    if settings.mode == "tito":
+        proxy.tito = _tito_engine(settings, backend, tokenizer)
     peers: dict[int, Backend] = {}
     if worker is not None:
         proxy.registry.new_id = id_factory(worker.index, worker.count)
@@ -115,6 +149,10 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if isinstance(backend, BackendPool):
+            backend.start()  # health checks
+        if publisher is not None:
+            publisher.start()
         model = await _model_identity(backend)
         identity["turnstile.model"] = model or ""
         journal = await asyncio.to_thread(
@@ -147,6 +185,8 @@ def create_app(
             for peer in peers.values():
                 await peer.aclose()
             finished = await asyncio.to_thread(recorder.stop, WRITER_JOIN_TIMEOUT_S)
+            if publisher is not None:  # the last shards go to the store (or stay staged)
+                await asyncio.to_thread(publisher.stop)
             await asyncio.to_thread(journal.close)
             if finished and recorder.error is None:
                 # Everything journaled is published: the next start has nothing to replay.
@@ -165,6 +205,7 @@ def create_app(
         lifespan=lifespan,
     )
     app.state.proxy = proxy
+    app.state.publisher = publisher
     client_keys = [k for k in map(resolve_secret, settings.api_key_env) if k]
     admin_key = resolve_secret(settings.admin_api_key_env)
     rollout_keys = RolloutKeys(client_keys) if client_keys else None
@@ -182,9 +223,26 @@ def create_app(
         app.add_middleware(
             WorkerRouter, spec=worker, peers=peers, max_body=settings.max_request_body_bytes
         )
+    # Outermost: every request is counted and logged with its ids, whatever answers it.
+    metrics = attach_metrics(proxy, backend)
+    app.add_middleware(HTTPMetrics, metrics=metrics)
+    app.add_middleware(RequestContext)
     install_error_handlers(app)
     add_routes(app.router, proxy, settings.max_request_body_bytes, rollout_keys)
+    add_metrics_route(app, metrics)
     return app
+
+
+def _publisher(settings: Settings, writer_id: str) -> ObjectStorePublisher | None:
+    """The uploader to `settings.output_uri`, when shards go to an object store."""
+    if settings.output_uri is None:
+        return None
+    fs, root = open_store(
+        settings.output_uri,
+        endpoint=settings.object_store_endpoint,
+        region=settings.object_store_region,
+    )
+    return ObjectStorePublisher(settings.output, fs, root, writer_id=writer_id)
 
 
 async def _sweep(proxy: Proxy) -> None:

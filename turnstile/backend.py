@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -28,6 +29,11 @@ from turnstile.limits import MAX_PASSTHROUGH_BODY_BYTES
 # Read granularity for streamed bodies: large enough to take a burst of SSE events in
 # one read, small enough not to delay a single event.
 READ_CHUNK_BYTES = 64 * 1024
+
+# The rollout id of the completion call being sent (set by the proxy around
+# `Backend.request`): the key a `turnstile.pool.BackendPool` routes on. A context
+# variable rather than a parameter, so every `Backend` keeps the same small signature.
+ROLLOUT_AFFINITY: ContextVar[str | None] = ContextVar("turnstile_rollout_affinity", default=None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +73,8 @@ class Backend(Protocol):
     ) -> BackendResponse:
         """Send a request and return once the response headers are in.
 
+        The rollout a call belongs to is in `ROLLOUT_AFFINITY` while it is sent, so a
+        pool of backends can keep a rollout on one engine (`turnstile.pool`).
         Raises BackendUnreachable or BackendTimeout; never an aiohttp exception.
         """
         ...

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from pathlib import Path
@@ -19,10 +20,21 @@ DEMO_VLLM_PORT = 8000
 def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=Path, help="YAML settings file (see configs/)")
     p.add_argument(
-        "--backend", action="append", metavar="URL",
-        help="backend base URL, e.g. http://127.0.0.1:8000 (env TURNSTILE_BACKENDS)",
+        "--backend", action="append", metavar="[MODEL=]URL",
+        help="backend base URL, e.g. http://127.0.0.1:8000 (env TURNSTILE_BACKENDS); repeat "
+        "for several (rollouts stay on one by consistent hashing); MODEL=URL serves only "
+        "requests for model MODEL",
     )
-    p.add_argument("--output", type=Path, help="directory for shards (default turnstile-output)")
+    p.add_argument(
+        "--output",
+        help="directory for shards (default turnstile-output), or an object store URI "
+        "such as s3://bucket/prefix (shards are staged locally in --staging-dir)",
+    )
+    p.add_argument("--staging-dir", type=Path,
+                   help="local directory for the journal and staged shards when --output "
+                   "is a URI (default turnstile-staging)")
+    p.add_argument("--backend-kind", choices=["vllm", "sglang", "auto"],
+                   help="the backends' dialect (default vllm; auto asks /v1/models)")
     p.add_argument("--host", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port to bind (default 8100)")
     p.add_argument(
@@ -30,6 +42,26 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
         help="local tokenizer directory: classifies stitching breaks and tokenizes for "
         "backends that return no token IDs",
     )
+    p.add_argument(
+        "--mode", choices=["record", "tito"],
+        help="record (default): forward chat requests as they are; tito: token-in-token-out, "
+        "exact multi-turn samples by construction (needs --tokenizer)",
+    )
+    p.add_argument("--tito-on-rewrite", choices=["split", "refuse"],
+                   help="TITO: a request that rewrites its rollout's history starts a new "
+                   "sample segment (split, default) or gets 409 (refuse)")
+    p.add_argument("--chat-template", type=Path, metavar="FILE.jinja",
+                   help="TITO: render with this chat template instead of the tokenizer's")
+    p.add_argument("--chat-template-kwargs", type=json.loads, metavar="JSON",
+                   help="TITO: template variables for every request, e.g. "
+                   '\'{"enable_thinking": false}\'')
+    p.add_argument("--allow-unsafe-template", action="store_true", default=None,
+                   help="TITO: accept a chat template that fails the audit")
+    p.add_argument("--no-template-fixes", dest="tito_apply_fixes", action="store_false",
+                   default=None, help="TITO: do not apply a fix the audit verified")
+    p.add_argument("--tool-parser", help="TITO: tool-call parser (default: from the template)")
+    p.add_argument("--reasoning-parser",
+                   help="TITO: reasoning parser (default: from the template)")
     p.add_argument("--top-logprobs", type=int, help="also record the top-k logprobs (0-20)")
     p.add_argument("--policy-version", type=int, help="initial policy version (default 0)")
     p.add_argument(
@@ -49,37 +81,50 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int,
                    help="worker processes sharing the port (default 1; see README)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--log-format", choices=["text", "json"],
+        help="text (default) or one JSON object per line with request and rollout ids",
+    )
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "backends": args.backend,
+        "backend_kind": args.backend_kind,
+        "staging_dir": args.staging_dir,
         "output": args.output,
         "host": args.host,
         "port": args.port,
         "tokenizer": args.tokenizer,
         "top_logprobs": args.top_logprobs,
+        "mode": args.mode,
+        "tito_on_rewrite": args.tito_on_rewrite,
+        "chat_template": args.chat_template,
+        "chat_template_kwargs": args.chat_template_kwargs,
+        "allow_unsafe_template": args.allow_unsafe_template,
+        "tito_apply_fixes": args.tito_apply_fixes,
+        "tool_parser": args.tool_parser,
+        "reasoning_parser": args.reasoning_parser,
         "policy_version": args.policy_version,
         "backend_api_key_env": args.backend_api_key_env,
         "writer_id": args.writer_id,
         "api_key_env": args.api_key_env,
         "admin_api_key_env": args.admin_api_key_env,
         "log_level": args.log_level,
+        "log_format": args.log_format,
         "workers": args.workers,
     }
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+def _setup_logging(level: str, fmt: str = "text") -> None:
+    from turnstile.logs import setup_logging
+
+    setup_logging(level, "json" if fmt == "json" else "text")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     settings = load_settings(args.config, _overrides(args))
-    _setup_logging(settings.log_level)
+    _setup_logging(settings.log_level, settings.log_format)
     from turnstile.workers import worker_env
 
     worker = worker_env(settings.workers)
@@ -191,6 +236,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from turnstile.inspect import run
+
+    return run(args)
+
+
+def cmd_view(args: argparse.Namespace) -> int:
+    from turnstile.view.server import run
+
+    _setup_logging("info")
+    return run(args)
+
+
 def cmd_check_template(args: argparse.Namespace) -> int:
     from turnstile.templates.command import run
 
@@ -292,6 +350,43 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_check_template_flags(check_template)
     check_template.set_defaults(func=cmd_check_template)
+
+    replay = sub.add_parser(
+        "replay", help="score recorded responses with and without verifier info (MRTPO)",
+        description="For every sample with a reward that has verifier information, score "
+        "the response with and without that information in the context, through a vLLM "
+        "backend's prompt_logprobs (top-k plus a leftover bucket, with the JSD's error "
+        "bound) or exactly from a local model's full logits, and write the per-token JSD "
+        "to DIR/replays/.",
+    )
+    from turnstile.train.command import add_arguments as _add_replay_flags
+    from turnstile.train.command import run as _run_replay
+
+    _add_replay_flags(replay)
+    replay.set_defaults(func=_run_replay)
+
+    from turnstile.inspect import add_arguments as _add_inspect_flags
+    from turnstile.view.server import add_arguments as _add_view_flags
+
+    inspect = sub.add_parser(
+        "inspect", help="summarise an output directory in the terminal",
+        description="Summarise the published shards of an output directory: rollouts, "
+        "samples, turns, tokens, rewards per name, policy versions, stitching breaks by "
+        "kind, error and aborted turns and the slowest turns. --rollout ID prints one "
+        "rollout's turns with tokens decoded and the loss mask shown.",
+    )
+    _add_inspect_flags(inspect)
+    inspect.set_defaults(func=cmd_inspect)
+
+    view = sub.add_parser(
+        "view", help="browse rollouts and tokens in a local web page",
+        description="Serve a local web page (no external assets) to browse the rollouts "
+        "and samples of an output directory: tokens coloured by loss mask and behaviour "
+        "logprob, turn and tool boundaries, stitching breaks side by side, rewards, and "
+        "reward and token counts over policy versions.",
+    )
+    _add_view_flags(view)
+    view.set_defaults(func=cmd_view)
     return parser
 
 

@@ -216,6 +216,10 @@ def encode_turn(record: TurnRecord) -> bytes:
     header["ttft_none"] = t.ttft_s is None
     header["top_ids"] = record.top_logprob_ids is not None
     header["top_values"] = record.top_logprob_values is not None
+    if record.backend is not None:  # absent in frames written before pools existed
+        header["backend"] = record.backend
+    if record.backend_failover_from is not None:
+        header["backend_failover_from"] = record.backend_failover_from
     ttft = 0.0 if t.ttft_s is None else t.ttft_s
     blocks = [
         _raw(record.prompt_token_ids, _I32, "prompt_token_ids"),
@@ -254,7 +258,14 @@ def decode_turn(data: bytes) -> TurnRecord:
         timings=Timings(received_at, queue_s, None if ttft_none else ttft, total_s),
         top_logprob_ids=top_ids,
         top_logprob_values=top_values,
+        backend=_optional_str(header, "backend"),
+        backend_failover_from=_optional_str(header, "backend_failover_from"),
     )
+
+
+def _optional_str(header: dict[str, Any], key: str) -> str | None:
+    """A string field that older frames do not have."""
+    return _field(header, key, str, _NONE) if key in header else None
 
 
 # --- rollout events ----------------------------------------------------------------------

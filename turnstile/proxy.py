@@ -16,13 +16,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import orjson
 
 from turnstile import sparse
-from turnstile.backend import Backend, BackendResponse, read_error
+from turnstile.backend import ROLLOUT_AFFINITY, Backend, BackendResponse, read_error
 from turnstile.capture import CHAT, CapturePlan, ResponseCapture, plan_request, sampling_params
 from turnstile.capture import validate_request as validate
 from turnstile.errors import (
@@ -41,6 +41,9 @@ from turnstile.replay import Answer, ReplayCache, is_retry, replay_key
 from turnstile.rollouts import Rollout, RolloutRegistry
 from turnstile.sse import DONE, SSEError, SSEEvent, SSEParser, encode_data
 from turnstile.stitch import RolloutInfo
+
+if TYPE_CHECKING:
+    from turnstile.tito.engine import TitoEngine
 
 log = logging.getLogger("turnstile.proxy")
 
@@ -89,6 +92,8 @@ class _Call:
     replay_key: str | None = None
     seq: int = 0  # journal frame of the call's last record
     journal_error: JournalError | None = None
+    served_by: str | None = None  # the backend of a pool that answered
+    failover_from: str | None = None  # the dead backend the rollout was moved from
 
     @property
     def headers(self) -> dict[str, str]:
@@ -130,6 +135,7 @@ class Proxy:
         self.idle = asyncio.Event()  # set while no call is in flight
         self.idle.set()
         self.replays = ReplayCache()
+        self.tito: TitoEngine | None = None  # set in TITO mode (turnstile.app)
 
     # -- durability -------------------------------------------------------------------
     def journal_event(self, event: Event) -> int:
@@ -165,6 +171,8 @@ class Proxy:
 
     # -- rollout hand-over -------------------------------------------------------------
     def _on_seal(self, rollout: Rollout) -> None:
+        if self.tito is not None:
+            self.tito.forget(rollout.rollout_id)
         self.hand_over(rollout)
 
     def hand_over(
@@ -240,11 +248,19 @@ class Proxy:
             self.replays.begin(key)
         capture = ResponseCapture(plan)
         try:
-            forward = orjson.dumps(body)
             call.t_sent = time.perf_counter()
-            resp = await self.backend.request(
-                "POST", PATHS[endpoint], forward, {"Content-Type": _JSON}
-            )
+            affinity = ROLLOUT_AFFINITY.set(rollout.rollout_id)  # a pool routes on it
+            try:
+                if self.tito is not None and endpoint == CHAT:  # token-in-token-out mode
+                    resp = await self.tito.request(rollout.rollout_id, body)
+                else:
+                    resp = await self.backend.request(
+                        "POST", PATHS[endpoint], orjson.dumps(body), {"Content-Type": _JSON}
+                    )
+            finally:
+                ROLLOUT_AFFINITY.reset(affinity)
+            call.served_by = getattr(resp, "served_by", None)  # set by turnstile.pool
+            call.failover_from = getattr(resp, "failover_from", None)
             if resp.status >= 400:
                 raise await read_error(resp)
         except TurnstileError as exc:
@@ -393,6 +409,9 @@ class Proxy:
             log.error("journal append failed for rollout %s: %s", call.rollout.rollout_id, exc)
         self.recorder.submit_turns(records, pin=first)
         self.registry.end_turn(call.rollout, records)
+        from turnstile.metrics import observe_turns
+
+        observe_turns(self, records)
 
     def _records(
         self,
@@ -426,6 +445,8 @@ class Proxy:
             timings=timings,
             http_status=http_status,
             error=error,
+            backend=call.served_by,
+            backend_failover_from=call.failover_from,
         )
         model = capture.model or str(req.get("model") or "")
         if not capture.choices:

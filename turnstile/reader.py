@@ -12,6 +12,7 @@ output directories (e.g. one per proxy replica) merge into one view. Every shard
 from __future__ import annotations
 
 import enum
+import json
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, TypedDict
@@ -21,11 +22,13 @@ import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from turnstile.schema import (
     META_SCHEMA_VERSION,
     META_TABLE,
+    READABLE_SCHEMA_VERSIONS,
     SCHEMA_VERSION,
     SCHEMAS,
     TABLES,
@@ -33,6 +36,44 @@ from turnstile.schema import (
 )
 
 SHARD_GLOB: Final[str] = "part-*.parquet"
+# In an object store, each writer (proxy replica) commits the shards it has uploaded by
+# rewriting its own manifest `<root>/_manifests/<writer_id>.json`; readers see exactly
+# the union of the manifests' shards, never an object whose upload is not committed.
+MANIFEST_DIR: Final[str] = "_manifests"
+MANIFEST_SUFFIX: Final[str] = ".json"
+MANIFEST_VERSION: Final[int] = 1
+
+
+def open_uri(uri: str) -> tuple[pafs.FileSystem, str]:
+    """A pyarrow filesystem and the root path inside it for `uri` (s3://, gs://, file://,
+    or any fsspec protocol when fsspec is installed)."""
+    try:
+        fs, root = pafs.FileSystem.from_uri(uri)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError) as e:
+        try:
+            import fsspec  # optional: for protocols pyarrow does not know
+        except ImportError:
+            raise ValueError(f"cannot open {uri}: {e} (fsspec is not installed)") from e
+        spec_fs, root = fsspec.core.url_to_fs(uri)
+        fs = pafs.PyFileSystem(pafs.FSSpecHandler(spec_fs))
+    return fs, root.rstrip("/")
+
+
+def read_manifests(fs: pafs.FileSystem, root: str) -> list[dict[str, Any]]:
+    """Every writer's manifest under `root` (none yet: an empty list)."""
+    selector = pafs.FileSelector(f"{root}/{MANIFEST_DIR}", allow_not_found=True)
+    out = []
+    for info in fs.get_file_info(selector):
+        if info.type != pafs.FileType.File or not info.base_name.endswith(MANIFEST_SUFFIX):
+            continue
+        if info.base_name.startswith("."):
+            continue
+        with fs.open_input_stream(info.path) as f:
+            manifest = json.loads(f.read())
+        if manifest.get("manifest_version") != MANIFEST_VERSION:
+            raise ShardFormatError(f"{info.path}: unknown manifest version")
+        out.append(manifest)
+    return out
 
 # Which columns the policy-version and status filters apply to, per table.
 _VERSION_RANGE: Final[Mapping[TableName, tuple[str, str]]] = {
@@ -97,10 +138,12 @@ def rewards_dict(struct_list: pa.Scalar | Sequence[Mapping[str, Any]] | None) ->
     return {str(item["name"]): float(item["value"]) for item in items}
 
 
-def check_shard(path: Path, table: TableName) -> dict[str, str]:
+def check_shard(
+    path: Path | str, table: TableName, filesystem: pafs.FileSystem | None = None
+) -> dict[str, str]:
     """The shard's Turnstile metadata, after checking its version and table."""
     try:
-        raw = pq.read_schema(path).metadata or {}
+        raw = pq.read_schema(path, filesystem=filesystem).metadata or {}
     except (OSError, pa.ArrowInvalid) as e:
         raise ShardFormatError(f"{path}: cannot read a Parquet footer: {e}") from e
     meta = {k.decode(): v.decode() for k, v in raw.items() if k.startswith(b"turnstile.")}
@@ -111,7 +154,7 @@ def check_shard(path: Path, table: TableName) -> dict[str, str]:
         version = int(version_text)
     except ValueError as e:
         raise SchemaVersionError(f"{path}: unreadable schema version {version_text!r}") from e
-    if version != SCHEMA_VERSION:
+    if version not in READABLE_SCHEMA_VERSIONS:
         newer = "a newer" if version > SCHEMA_VERSION else "an unknown"
         raise SchemaVersionError(
             f"{path}: written with {newer} schema version {version}; this reader "
@@ -129,16 +172,50 @@ def _values(statuses: Iterable[str | enum.Enum]) -> list[str]:
 class ShardReader:
     """A merged, read-only view of one or more Turnstile output directories."""
 
-    def __init__(self, paths: str | Path | Sequence[str | Path]) -> None:
+    def __init__(
+        self,
+        paths: str | Path | Sequence[str | Path],
+        *,
+        filesystem: pafs.FileSystem | None = None,
+    ) -> None:
         if isinstance(paths, (str, Path)):
             paths = [paths]
-        self.roots = [Path(p) for p in paths]
-        if not self.roots:
+        if not paths:
             raise ValueError("no output directory given")
+        # Object-store roots (a URI, or any path with an explicit `filesystem`) are read
+        # through their writers' manifests; local directories by listing.
+        self.remotes: list[tuple[pafs.FileSystem, str]] = []
+        self.roots: list[Path] = []
+        for p in paths:
+            if filesystem is not None:  # a path inside it (a URI's scheme is dropped)
+                self.remotes.append((filesystem, str(p).partition("://")[2].rstrip("/")
+                                     if "://" in str(p) else str(p).rstrip("/")))
+            elif isinstance(p, str) and "://" in p and not p.startswith("file://"):
+                self.remotes.append(open_uri(p))
+            else:
+                self.roots.append(Path(p.removeprefix("file://") if isinstance(p, str) else p))
         for root in self.roots:
             if not root.is_dir():
                 raise FileNotFoundError(f"Turnstile output directory {root} does not exist")
         self._checked: dict[Path, dict[str, str]] = {}
+        self._remote_checked: dict[tuple[int, str], dict[str, str]] = {}
+
+    def remote_files(self, table: TableName) -> list[tuple[pafs.FileSystem, list[str]]]:
+        """Committed shards of `table` in each object-store root, version-checked."""
+        out = []
+        for n, (fs, root) in enumerate(self.remotes):
+            names = sorted({
+                entry["name"]
+                for manifest in read_manifests(fs, root)
+                for entry in manifest.get("shards", ())
+                if entry.get("table") == table
+            })
+            paths = [f"{root}/{table}/{name}" for name in names]
+            for path in paths:
+                if (n, path) not in self._remote_checked:
+                    self._remote_checked[(n, path)] = check_shard(path, table, fs)
+            out.append((fs, paths))
+        return out
 
     # ------------------------------------------------------------ files
 
@@ -159,9 +236,16 @@ class ShardReader:
 
     def dataset(self, table: TableName) -> ds.Dataset:
         """A `pyarrow.dataset` over the published shards of `table`."""
-        return ds.dataset(
+        local = ds.dataset(
             [str(p) for p in self.files(table)], schema=SCHEMAS[table], format="parquet"
         )
+        if not self.remotes:
+            return local
+        parts = [local] + [
+            ds.dataset(paths, schema=SCHEMAS[table], format="parquet", filesystem=fs)
+            for fs, paths in self.remote_files(table)
+        ]
+        return ds.dataset(parts)
 
     # ------------------------------------------------------------ tables
 
@@ -368,6 +452,9 @@ def _batch_arrays(batch: pa.RecordBatch) -> Iterator[SampleArrays]:
         )
 
 
-def open_output(paths: str | Path | Sequence[str | Path]) -> ShardReader:
-    """Open one or more Turnstile output directories for reading."""
-    return ShardReader(paths)
+def open_output(
+    paths: str | Path | Sequence[str | Path], *, filesystem: pafs.FileSystem | None = None
+) -> ShardReader:
+    """Open one or more Turnstile outputs for reading: local directories, object-store
+    URIs (`s3://bucket/prefix`), or paths inside an explicit pyarrow `filesystem`."""
+    return ShardReader(paths, filesystem=filesystem)

@@ -99,6 +99,10 @@ class TurnRecord:
     # top-k alternatives per completion token, when configured
     top_logprob_ids: list[list[int]] | None = None
     top_logprob_values: list[list[float]] | None = None
+    # with several backends (turnstile.pool): the one that served the call, and the dead
+    # one the rollout was moved away from when this call failed over
+    backend: str | None = None
+    backend_failover_from: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

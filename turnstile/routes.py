@@ -225,6 +225,8 @@ def add_routes(
             "backlog": proxy.recorder.backlog,
             "policy_version": proxy.policy_version,
             "journal": _journal_usage(proxy),
+            "mode": "record" if proxy.tito is None else "tito",
+            "tito": None if proxy.tito is None else proxy.tito.stats(),
         }
 
     @router.post("/rollouts", status_code=201, tags=["rollouts"])

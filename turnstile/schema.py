@@ -25,7 +25,10 @@ import pyarrow as pa
 
 from turnstile.records import Reward, RolloutRecord, SampleRecord, TurnRecord, TurnSpan
 
-SCHEMA_VERSION: Final[int] = 1
+SCHEMA_VERSION: Final[int] = 2
+# Versions a reader of this version reads: version 1 lacks the turns' `backend` and
+# `backend_failover_from` columns, which read as null.
+READABLE_SCHEMA_VERSIONS: Final[frozenset[int]] = frozenset({1, 2})
 
 TableName = Literal["turns", "samples", "rollouts"]
 TABLES: Final[tuple[TableName, ...]] = ("turns", "samples", "rollouts")
@@ -159,6 +162,19 @@ TURNS_COLUMNS: Final[tuple[Column, ...]] = (
     Column("queue_s", _F64, False, "Seconds from receipt until sent upstream."),
     Column("ttft_s", _F64, True, "Seconds from receipt until the first completion byte."),
     Column("total_s", _F64, False, "Seconds from receipt until the call ended."),
+    Column(
+        "backend",
+        _STR,
+        True,
+        "With several backends: base URL of the one that served the call; else null.",
+    ),
+    Column(
+        "backend_failover_from",
+        _STR,
+        True,
+        "Base URL of the dead backend the rollout was moved away from by this call; "
+        "null when the call stayed on its rollout's backend.",
+    ),
 )
 
 SAMPLES_COLUMNS: Final[tuple[Column, ...]] = (
@@ -487,6 +503,8 @@ def turns_table(
         "queue_s": pa.array([r.timings.queue_s for r in records], type=f64),
         "ttft_s": pa.array([r.timings.ttft_s for r in records], type=f64),
         "total_s": pa.array([r.timings.total_s for r in records], type=f64),
+        "backend": _strings([r.backend for r in records]),
+        "backend_failover_from": _strings([r.backend_failover_from for r in records]),
     }
     return _table("turns", arrays, identity)
 

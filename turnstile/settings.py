@@ -27,8 +27,11 @@ from pydantic import (
 
 from turnstile import limits
 from turnstile.journal import DEFAULT_SEGMENT_BYTES
+from turnstile.pool import HEALTH_INTERVAL_S
 
 ENV_PREFIX = "TURNSTILE_"
+# The local directory that stages shards (and holds the journal) when `output` is a URI.
+STAGING_OUTPUT = Path("turnstile-staging")
 
 
 def is_loopback(host: str) -> bool:
@@ -50,7 +53,14 @@ class Settings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
+    # Backend base URLs; `MODEL=URL` puts a backend in the group serving model MODEL
+    # (several backends: rollouts routed by consistent hashing, see turnstile.pool).
     backends: tuple[str, ...] = Field(default=("http://127.0.0.1:8000",), min_length=1)
+    # The same per model name, as a YAML mapping: {model: [url, ...]}.
+    model_backends: dict[str, tuple[str, ...]] = Field(default_factory=dict)
+    # The backends' dialect: vLLM's, SGLang's (turnstile.sglang), or asked at start-up.
+    backend_kind: Literal["vllm", "sglang", "auto"] = "vllm"
+    backend_health_interval_s: float = Field(default=HEALTH_INTERVAL_S, gt=0)
     backend_api_key_env: str | None = None
     # Names of environment variables holding client API keys (several allowed);
     # empty means no client authentication, which is refused off loopback.
@@ -58,15 +68,43 @@ class Settings(BaseModel):
     # Name of the environment variable holding the admin key: when set, only it opens
     # /admin/* and the reward routes.
     admin_api_key_env: str | None = None
+    # Where shards go: a local directory, or a URI (`s3://bucket/prefix`, any pyarrow or
+    # fsspec filesystem URI), given as `output` and moved to `output_uri`; shards are then
+    # staged in `output` (the local directory below, which also holds the journal) and
+    # published to the store by turnstile.objstore.
     output: Path = Path("turnstile-output")
+    output_uri: str | None = None
+    staging_dir: Path | None = None  # the local directory when `output` is a URI
+    # An S3-compatible endpoint (MinIO, Ceph, a test server) instead of AWS's own.
+    object_store_endpoint: str | None = None
+    object_store_region: str | None = None
     host: str = "127.0.0.1"
     port: int = Field(default=8100, ge=0, le=65535)
     tokenizer: Path | None = None
-    mode: Literal["record"] = "record"
+    # "record": forward chat requests as they are and record what the backend did.
+    # "tito": token-in-token-out (turnstile.tito): keep each rollout's tokens and send the
+    # backend token IDs, so multi-turn samples are exact by construction (needs tokenizer).
+    mode: Literal["record", "tito"] = "record"
+    # TITO: what a request that rewrites its rollout's history gets: "split" starts a new
+    # sample segment linked to the earlier one; "refuse" answers 409.
+    tito_on_rewrite: Literal["split", "refuse"] = "split"
+    # TITO: the chat template file to render with (default: the tokenizer's), and
+    # template variables every request gets (a request's own chat_template_kwargs win).
+    chat_template: Path | None = None
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    # TITO: use a known fix the template audit verified (e.g. Qwen3's template patched to
+    # keep earlier reasoning); and accept a template that fails the audit anyway.
+    tito_apply_fixes: bool = True
+    allow_unsafe_template: bool = False
+    # TITO: output parsers by name (default: detected from the template's text).
+    tool_parser: str | None = None
+    reasoning_parser: str | None = None
     top_logprobs: int = Field(default=0, ge=0, le=20)
     policy_version: int = 0
     writer_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # "json": one JSON object per line with request and rollout ids (turnstile.logs).
+    log_format: Literal["text", "json"] = "text"
     # Processes serving the port together (SO_REUSEPORT); each rollout is owned by one.
     workers: int = Field(default=1, ge=1, le=64)
 
@@ -100,6 +138,16 @@ class Settings(BaseModel):
     rollout_idle_timeout_s: float = Field(default=limits.ROLLOUT_IDLE_TIMEOUT_S, gt=0)
     drain_timeout_s: float = Field(default=limits.DRAIN_TIMEOUT_S, ge=0)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _output_uri(cls, values: Any) -> Any:
+        if isinstance(values, dict):
+            output = values.get("output")
+            if isinstance(output, str) and "://" in output:
+                values = {**values, "output_uri": output}
+                values["output"] = values.get("staging_dir") or STAGING_OUTPUT
+        return values
+
     @field_validator("backends", mode="before")
     @classmethod
     def _split_backends(cls, value: Any) -> Any:
@@ -115,6 +163,15 @@ class Settings(BaseModel):
         return value
 
     @model_validator(mode="after")
+    def _tito_needs_tokenizer(self) -> Settings:
+        if self.mode == "tito" and self.tokenizer is None:
+            raise ValueError(
+                "mode 'tito' renders prompts itself: set tokenizer (--tokenizer DIR) to the "
+                "served model's tokenizer directory"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _no_open_proxy_off_loopback(self) -> Settings:
         if not self.api_key_env and not is_loopback(self.host):
             raise ValueError(
@@ -127,21 +184,53 @@ class Settings(BaseModel):
     @classmethod
     def _check_backends(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         checked = []
-        for url in value:
-            url = url.strip().rstrip("/")
+        for entry in value:
+            model, url = _split_model(entry.strip())
+            url = url.rstrip("/")
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"backend URL must start with http:// or https://: {url!r}")
-            checked.append(url)
+            checked.append(f"{model}={url}" if model else url)
         return tuple(checked)
+
+    @field_validator("model_backends")
+    @classmethod
+    def _check_model_backends(
+        cls, value: dict[str, tuple[str, ...]]
+    ) -> dict[str, tuple[str, ...]]:
+        for model, urls in value.items():
+            if not urls:
+                raise ValueError(f"model {model!r} has no backends")
+            for url in urls:
+                if not url.startswith(("http://", "https://")):
+                    raise ValueError(f"backend URL must start with http:// or https://: {url!r}")
+        return {m: tuple(u.rstrip("/") for u in urls) for m, urls in value.items()}
 
     @property
     def backend(self) -> str:
-        """The backend that requests go to (several backends come with routing)."""
-        return self.backends[0]
+        """The first backend's URL (the only one without a pool)."""
+        return _split_model(self.backends[0])[1]
+
+    def backend_groups(self) -> dict[str | None, list[str]]:
+        """Backend URLs per served model name (None: calls naming no listed model)."""
+        groups: dict[str | None, list[str]] = {}
+        for entry in self.backends:
+            model, url = _split_model(entry)
+            groups.setdefault(model, []).append(url)
+        for model, urls in self.model_backends.items():
+            groups.setdefault(model, []).extend(u for u in urls if u not in groups[model])
+        return groups
 
     def public_dict(self) -> dict[str, Any]:
         """The settings as logged at start-up: secrets are only ever env-var names."""
         return self.model_dump(mode="json")
+
+
+def _split_model(entry: str) -> tuple[str | None, str]:
+    """`MODEL=URL` as (MODEL, URL); a plain URL as (None, URL)."""
+    head, sep, tail = entry.partition("=")
+    if sep and "://" not in head:
+        return head.strip() or None, tail.strip()
+    return None, entry
 
 
 def resolve_secret(env_name: str | None) -> str | None:

@@ -12,6 +12,14 @@ names of one table orders shards by publication time across all writers; the wri
 and a per-writer sequence number make names unique. Each live writer needs its own
 writer id.
 
+Each writer also keeps a manifest of the shards it has published,
+`<output>/_manifests/<writer_id>.json`, in the same format as the object-store
+manifests (`turnstile.objstore`), rewritten atomically (temp file + `os.replace`) after
+every publish. In a local directory the rename of a shard is its commit and readers list
+the table directories; the manifest is an index of which replica wrote what. At start-up
+it is rebuilt from this writer's shards on disk, so a crash between a publish and the
+manifest rewrite leaves it complete again on the next start.
+
 Thread-safety: a sink is not thread-safe. It is meant to be owned by one background
 writer thread that calls every method (writes, `maybe_roll`, `flush`, `close`); other
 threads hand records to that thread instead of calling the sink.
@@ -20,6 +28,8 @@ threads hand records to that thread instead of calling the sink.
 from __future__ import annotations
 
 import contextlib
+import json
+import logging
 import os
 import re
 import time
@@ -32,6 +42,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from turnstile.fsutil import fsync_path
+from turnstile.reader import MANIFEST_DIR, MANIFEST_SUFFIX, MANIFEST_VERSION
 from turnstile.records import RolloutRecord, SampleRecord, TurnRecord
 from turnstile.schema import (
     META_WRITER,
@@ -62,6 +73,8 @@ SHARD_SUFFIX: Final[str] = ".parquet"
 STAGING_DIR: Final[str] = ".tmp"
 STAGING_SUFFIX: Final[str] = ".partial"
 SHARD_GLOB: Final[str] = f"{SHARD_PREFIX}*{SHARD_SUFFIX}"
+
+log = logging.getLogger("turnstile.shards")
 
 _WRITER_ID_RE: Final[re.Pattern[str]] = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,159}")
 _STAGED_RE: Final[re.Pattern[str]] = re.compile(
@@ -172,6 +185,7 @@ class ParquetShardSink:
         max_rows: int = DEFAULT_MAX_ROWS,
         max_age_s: float = DEFAULT_MAX_AGE_S,
         fsync: bool = True,
+        manifest: bool = True,
     ) -> None:
         if not _WRITER_ID_RE.fullmatch(writer_id):
             raise ValueError(
@@ -197,6 +211,9 @@ class ParquetShardSink:
         self._accepted: dict[str, int] = dict.fromkeys(TABLES, 0)
         self._settled: dict[str, int] = dict.fromkeys(TABLES, 0)
         self._staging = self.output_dir / STAGING_DIR
+        # This writer's published shards by "table/name" (None: no manifest is kept).
+        self._manifest: dict[str, dict[str, Any]] | None = {} if manifest else None
+        self._manifest_dirty = False
         schema_metadata("turns", {**identity, META_WRITER: writer_id})  # ValueError if invalid
         try:
             self._prepare_dirs()
@@ -216,6 +233,53 @@ class ParquetShardSink:
                 _remove_quietly(staged)  # left by a crashed predecessor with this id
         if self.fsync:
             fsync_path(self.output_dir)
+        if self._manifest is not None:
+            own = re.compile(
+                rf"{re.escape(SHARD_PREFIX)}\d{{13}}-{re.escape(self.writer_id)}-\d{{6,}}"
+                rf"{re.escape(SHARD_SUFFIX)}"
+            )
+            for table in TABLES:
+                for path in (self.output_dir / table).glob(SHARD_GLOB):
+                    if own.fullmatch(path.name):
+                        self._manifest[f"{table}/{path.name}"] = {
+                            "table": table, "name": path.name, "bytes": path.stat().st_size
+                        }
+            self._write_manifest()
+
+    @property
+    def manifest_path(self) -> Path:
+        """This writer's manifest of published shards."""
+        return self.output_dir / MANIFEST_DIR / f"{self.writer_id}{MANIFEST_SUFFIX}"
+
+    def _write_manifest(self) -> None:
+        """Rewrite the manifest atomically; a failure is logged and retried on the next
+        publish (the shards themselves are published and readable either way)."""
+        if self._manifest is None:
+            return
+        manifest = {
+            "manifest_version": MANIFEST_VERSION,
+            "writer_id": self.writer_id,
+            "updated_at": time.time(),
+            "shards": sorted(self._manifest.values(), key=lambda e: (e["name"], e["table"])),
+        }
+        final = self.manifest_path
+        tmp = final.with_name(f".{final.name}.tmp")
+        try:
+            final.parent.mkdir(exist_ok=True)
+            with tmp.open("wb") as f:
+                f.write(json.dumps(manifest, indent=1).encode())
+                if self.fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+            os.replace(tmp, final)
+            if self.fsync:
+                fsync_path(final.parent)
+        except OSError as e:
+            self._manifest_dirty = True
+            _remove_quietly(tmp)
+            log.warning("cannot rewrite the manifest %s: %s", final, _describe(e))
+            return
+        self._manifest_dirty = False
 
     # ------------------------------------------------------------ Sink protocol
 
@@ -263,6 +327,8 @@ class ParquetShardSink:
             self.flush()
         finally:
             self._closed = True
+            if self._manifest_dirty:
+                self._write_manifest()
 
     def progress(self) -> SinkProgress:
         return SinkProgress(dict(self._accepted), dict(self._settled))
@@ -314,6 +380,12 @@ class ParquetShardSink:
                 f"cannot convert {len(chunk)} {table} records to Arrow; they are dropped: {e}"
             ) from e
         final = self._publish_table(table, arrow)
+        if self._manifest is not None:
+            with contextlib.suppress(OSError):
+                self._manifest[f"{table}/{final.name}"] = {
+                    "table": table, "name": final.name, "bytes": final.stat().st_size
+                }
+            self._write_manifest()
         self._consume(buffer, len(chunk))
         self.shards_published += 1
         self.rows_published[table] += len(chunk)

@@ -37,6 +37,11 @@ class LocalTokenizer:
         # Hugging Face fast tokenizers are not safe to share across threads mid-call.
         self._lock = threading.Lock()
 
+    @property
+    def hf(self) -> Any:
+        """The underlying Hugging Face tokenizer (TITO renders with it directly)."""
+        return self._tok
+
     def decode(self, ids: Sequence[int]) -> str:
         with self._lock:
             return str(self._tok.decode(list(ids), skip_special_tokens=False))

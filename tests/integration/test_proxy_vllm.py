@@ -312,6 +312,10 @@ def _start_serve(
         time.sleep(0.2)
 
 
+# Long enough that the stream is still running while the test checks the draining server.
+DRAIN_TOKENS = 400
+
+
 def test_sigterm_drains_in_flight_streams(
     vllm_server: Any, qwen3_tokenizer_dir: Path, tmp_path: Path
 ) -> None:
@@ -321,7 +325,7 @@ def test_sigterm_drains_in_flight_streams(
 
     def stream() -> None:
         body = {"model": MODEL, "messages": [{"role": "user", "content": "go"}],
-                "max_tokens": 120, "stream": True, "ignore_eos": True}
+                "max_tokens": DRAIN_TOKENS, "stream": True, "ignore_eos": True}
         with httpx.stream("POST", url + "/rollouts/drain/v1/chat/completions", json=body,
                           timeout=120) as resp:
             for line in resp.iter_lines():
@@ -345,7 +349,7 @@ def test_sigterm_drains_in_flight_streams(
     assert [line for line in lines if line][-1] == "data: [DONE]"
     turns = open_output(tmp_path / "shards").turns().to_pylist()
     (turn,) = [t for t in turns if t["rollout_id"] == "drain"]
-    assert turn["status"] == "ok" and len(turn["completion_token_ids"]) == 120
+    assert turn["status"] == "ok" and len(turn["completion_token_ids"]) == DRAIN_TOKENS
 
 
 def test_serve_command_publishes_everything_on_sigterm(
@@ -368,7 +372,7 @@ def test_serve_command_publishes_everything_on_sigterm(
     assert rollout["rollout_id"] == "left-open" and rollout["status"] == "interrupted"
     assert not list((out / ".tmp").glob("*")), "a staged file was left behind"
     meta = reader.metadata("turns")[0]
-    assert meta["turnstile.schema_version"] == "1" and MODEL in meta["turnstile.model"]
+    assert meta["turnstile.schema_version"] == "2" and MODEL in meta["turnstile.model"]
 
 
 def _vllm_metric(base_url: str, name: str, label: str = "") -> float:

@@ -181,8 +181,8 @@ def _forge(out: Path, version: str | None) -> None:
 
 
 def test_newer_schema_version_is_refused(out: Path) -> None:
-    _forge(out, "2")
-    with pytest.raises(SchemaVersionError, match=r"newer schema version 2.*understands version 1"):
+    _forge(out, "3")
+    with pytest.raises(SchemaVersionError, match=r"newer schema version 3.*understands version 2"):
         open_output(out).samples()
     assert open_output(out).turns().num_rows == 3  # other tables are unaffected
 

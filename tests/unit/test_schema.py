@@ -67,6 +67,8 @@ EXPECTED_TURNS = [
     ("queue_s", "double", False),
     ("ttft_s", "double", True),
     ("total_s", "double", False),
+    ("backend", "string", True),
+    ("backend_failover_from", "string", True),
 ]
 EXPECTED_SAMPLES = [
     ("rollout_id", "string", False),
@@ -117,7 +119,7 @@ def _columns(schema: pa.Schema) -> list[tuple[str, str, bool]]:
 
 
 def test_schema_version_is_pinned() -> None:
-    assert SCHEMA_VERSION == 1
+    assert SCHEMA_VERSION == 2
 
 
 @pytest.mark.parametrize(
@@ -136,14 +138,14 @@ def test_columns_are_pinned(schema: pa.Schema, expected: list[tuple[str, str, bo
 def test_schemas_carry_version_and_table() -> None:
     for table in TABLES:
         meta = SCHEMAS[table].metadata
-        assert meta[b"turnstile.schema_version"] == b"1"
+        assert meta[b"turnstile.schema_version"] == b"2"
         assert meta[b"turnstile.table"] == table.encode()
 
 
 def test_identity_metadata_is_prefixed_and_cannot_override() -> None:
     meta = schema_metadata("samples", {"model": "m", "turnstile.tokenizer": "tok"})
     assert meta == {
-        "turnstile.schema_version": "1",
+        "turnstile.schema_version": "2",
         "turnstile.table": "samples",
         "turnstile.model": "m",
         "turnstile.tokenizer": "tok",

@@ -18,6 +18,7 @@ import pytest
 
 from tests.fakes_sink import InMemorySink, make_rollout, make_sample, make_turn
 from turnstile.reader import open_output
+from turnstile.schema import SCHEMA_VERSION
 from turnstile.shards import (
     DEFAULT_MAX_AGE_S,
     DEFAULT_MAX_ROWS,
@@ -42,8 +43,14 @@ def _published(out: Path, table: str = "turns") -> list[Path]:
 
 
 def _strays(out: Path) -> list[Path]:
-    """Everything under `out` that is neither a directory nor a published shard."""
-    return [p for p in out.rglob("*") if p.is_file() and not NAME.fullmatch(p.name)]
+    """Everything under `out` that is neither a directory, a published shard nor a
+    writer's manifest (`_manifests/<writer_id>.json`; its temp files are strays)."""
+    return [
+        p for p in out.rglob("*")
+        if p.is_file() and not NAME.fullmatch(p.name)
+        and not (p.parent.name == "_manifests" and p.suffix == ".json"
+                 and not p.name.startswith("."))
+    ]
 
 
 def test_defaults_are_sane() -> None:
@@ -160,7 +167,7 @@ def test_files_carry_version_and_identity(tmp_path: Path) -> None:
     sink.close()
     (path,) = _published(tmp_path, "samples")
     meta = pq.read_schema(path).metadata
-    assert meta[b"turnstile.schema_version"] == b"1"
+    assert meta[b"turnstile.schema_version"] == str(SCHEMA_VERSION).encode()
     assert meta[b"turnstile.table"] == b"samples"
     assert meta[b"turnstile.model"] == b"qwen"
     assert meta[b"turnstile.tokenizer"] == b"tok"

@@ -124,6 +124,14 @@ def tool_parser_names() -> list[str]:
     return list(_TOOL_PARSERS)
 
 
+def reasoning_markers(name: str) -> tuple[str, str]:
+    """The (start, end) markers of reasoning parser `name`."""
+    entry = _REASONING_PARSERS.get(name)
+    if entry is None:
+        _unknown("reasoning", name, reasoning_parser_names())
+    return entry.markers
+
+
 def reasoning_parser_names() -> list[str]:
     return list(_REASONING_PARSERS)
 

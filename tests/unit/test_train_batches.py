@@ -1,0 +1,141 @@
+"""Training samples from real shards: padded and packed batches, advantages on samples."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from turnstile.records import BreakKind, Reward, RolloutStatus, SampleRecord, TokenSource, TurnSpan
+from turnstile.shards import ParquetShardSink
+from turnstile.train import batches
+from turnstile.train.dataset import ShardFollower
+
+IDENTITY = {"turnstile.model": "tiny", "turnstile.tokenizer": "tiny"}
+
+
+def record(
+    rollout_id: str,
+    group_id: str | None,
+    prompt: Sequence[int],
+    completion: Sequence[int],
+    rewards: dict[str, float],
+    version: int = 0,
+    info: dict[str, str] | None = None,
+    status: RolloutStatus = RolloutStatus.FINISHED,
+) -> SampleRecord:
+    """A one-turn sample as the stitcher makes it."""
+    ids = np.array([*prompt, *completion], dtype=np.int32)
+    mask = np.array([0] * len(prompt) + [1] * len(completion), dtype=np.int8)
+    logp = np.where(mask > 0, -1.0 - 0.01 * np.arange(ids.size), np.nan).astype(np.float32)
+    return SampleRecord(
+        rollout_id=rollout_id, sample_index=0, group_id=group_id, task_id="t",
+        input_ids=ids, loss_mask=mask, behavior_logprobs=logp,
+        turn_spans=[TurnSpan(0, 0, 0, len(prompt), ids.size)],
+        rewards=[Reward(k, v, (info or {}).get(k)) for k, v in rewards.items()],
+        policy_versions=[version], token_source=TokenSource.BACKEND, rollout_status=status,
+        break_kind=BreakKind.FIRST, break_position=None, break_detail=None,
+        parent_sample_index=None, turn_statuses=["ok"],
+    )
+
+
+def write_shard(output: Path, records: Sequence[SampleRecord], writer: str = "w") -> None:
+    """Publish ``records`` as one samples shard, the way the proxy does."""
+    sink = ParquetShardSink(output, writer_id=writer, identity=IDENTITY, fsync=False)
+    sink.write_samples(list(records))
+    sink.close()
+
+
+def group_records(group: str, rewards: Sequence[tuple[float, float]], version: int = 0,
+                  lengths: Sequence[int] | None = None) -> list[SampleRecord]:
+    lengths = lengths or [3] * len(rewards)
+    return [
+        record(f"{group}-{i}", group, [1, 2], list(range(10, 10 + n)),
+               {"correct": r[0], "format": r[1]}, version,
+               info={"correct": f"verdict {i}"})
+        for i, (r, n) in enumerate(zip(rewards, lengths, strict=True))
+    ]
+
+
+def load(output: Path) -> list[batches.TrainSample]:
+    return list(ShardFollower(output))
+
+
+def test_samples_read_back_exactly(tmp_path: Path) -> None:
+    recs = group_records("g", [(1, 0), (0, 1)], version=3)
+    write_shard(tmp_path, recs)
+    samples = load(tmp_path)
+    assert [s.rollout_id for s in samples] == ["g-0", "g-1"]
+    s = samples[0]
+    assert s.input_ids.tolist() == [1, 2, 10, 11, 12]
+    assert s.loss_mask.tolist() == [0, 0, 1, 1, 1]
+    assert np.isnan(s.behavior_logprobs[:2]).all()
+    np.testing.assert_allclose(s.behavior_logprobs[2:], recs[0].behavior_logprobs[2:])
+    assert s.rewards == {"correct": 1.0, "format": 0.0}
+    assert s.reward_info == {"correct": "verdict 0", "format": None}
+    assert (s.min_policy_version, s.max_policy_version, s.staleness(5)) == (3, 3, 2)
+
+
+def test_pad_batch_aligns_everything_with_the_mask(tmp_path: Path) -> None:
+    write_shard(tmp_path, group_records("g", [(1, 0), (1, 0), (0, 1), (0, 0)],
+                                        lengths=[1, 2, 3, 4]))
+    samples = load(tmp_path)
+    a = batches.assign_grpo(samples, ["correct", "format"])
+    np.testing.assert_allclose(a, [0.5, 0.5, 0.5, -1.5], atol=1e-3)
+    b = batches.pad_batch(samples, pad_token_id=7, pad_to_multiple_of=4)
+    assert b["input_ids"].shape == (4, 8)
+    assert b["input_ids"][0].tolist() == [1, 2, 10, 7, 7, 7, 7, 7]
+    assert b["attention_mask"].sum(1).tolist() == [3, 4, 5, 6]
+    assert b["loss_mask"].sum(1).tolist() == [1, 2, 3, 4]
+    assert b["position_ids"][3].tolist() == [0, 1, 2, 3, 4, 5, 0, 0]
+    assert np.isfinite(b["behavior_logprobs"]).all()
+    assert (b["behavior_logprobs"][b["loss_mask"] == 0] == 0).all()
+    assert (b["advantages"][b["loss_mask"] == 0] == 0).all()
+    np.testing.assert_allclose(b["advantages"][3, 2:6], [-1.5] * 4, atol=1e-3)
+    assert b["group_index"].tolist() == [0, 0, 0, 0]
+    assert b["policy_version"].tolist() == [0, 0, 0, 0]
+    truncated = batches.pad_batch(samples, max_length=4)
+    assert truncated["input_ids"].shape == (4, 4)
+
+
+def test_pack_batch_restarts_positions_and_marks_boundaries(tmp_path: Path) -> None:
+    write_shard(tmp_path, group_records("g", [(1, 1), (0, 1)], lengths=[1, 3]))
+    samples = load(tmp_path)
+    batches.assign_gdpo(samples)
+    p = batches.pack_batch(samples)
+    assert p["input_ids"].tolist() == [[1, 2, 10, 1, 2, 10, 11, 12]]
+    assert p["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 3, 4]]
+    assert p["cu_seqlens"].tolist() == [0, 3, 8]
+    assert p["sequence_index"].tolist() == [[0, 0, 0, 1, 1, 1, 1, 1]]
+    assert p["loss_mask"].tolist() == [[0, 0, 1, 0, 0, 1, 1, 1]]
+    assert p["advantages"][0, 2] > 0 > p["advantages"][0, 5]
+    with pytest.raises(ValueError):
+        batches.pack_batch(samples, max_tokens=5)
+    packs = batches.pack_greedy(samples * 3, max_tokens=8)
+    assert [len(pk) for pk in packs] == [2, 2, 2]
+
+
+def test_mrtpo_on_samples_uses_relevance_and_keeps_the_total(tmp_path: Path) -> None:
+    write_shard(tmp_path, group_records("g", [(1, 0), (1, 0), (0, 1), (0, 0)],
+                                        lengths=[4, 4, 4, 4]))
+    samples = load(tmp_path)
+    relevance = {("g-0", 0, "correct"): np.array([0.01, 0.30, 0.05, 0.04]),
+                 ("g-0", 0, "format"): np.array([0.20, 0.01, 0.01, 0.18])}
+    tokens = batches.assign_mrtpo(samples, relevance, ["correct", "format"])
+    gdpo = batches.assign_gdpo(load(tmp_path), ["correct", "format"])
+    for i, t in enumerate(tokens):
+        assert t.sum() == pytest.approx(4 * gdpo[i], abs=1e-6)
+    assert samples[0].advantages is not None
+    assert np.argmax(samples[0].advantages) == 3  # the token the `correct` verifier cares about
+    np.testing.assert_allclose(tokens[1], [gdpo[1]] * 4, atol=1e-9)  # no relevance: uniform
+
+
+def test_to_torch_converts_every_array(tmp_path: Path) -> None:
+    import torch
+
+    write_shard(tmp_path, group_records("g", [(1, 0), (0, 1)]))
+    t = batches.to_torch(batches.pad_batch(load(tmp_path)))
+    assert t["input_ids"].dtype == torch.int64 and t["advantages"].dtype == torch.float32
+    assert tuple(t["loss_mask"].shape) == (2, 5)

@@ -1,0 +1,50 @@
+"""Trainer-side library for Turnstile's shards: batches, advantages, corrections, losses.
+
+Numpy only: ``batches`` (padded and packed batches, advantages assigned to samples),
+``dataset`` (follow published shards, resumable, filters, complete GRPO groups),
+``advantages`` (GRPO, GDPO, MRTPO), ``corrections`` (TIS, IcePop, MIS, veto, KL
+estimators; also on torch tensors), ``jsd`` and ``rescore`` (replay for MRTPO through a
+vLLM backend's prompt_logprobs). With the ``train`` extra (PyTorch): ``losses`` (PPO/GRPO
+clip and Proximal KL), ``policy`` (token log-probabilities of a causal LM), ``torchdata``
+(``ShardIterableDataset``) and ``rescore_torch`` (exact replay from full logits).
+
+MRTPO and Proximal KL are implemented from the reading of their published abstracts given
+in Turnstile's method notes; their modules say so.
+"""
+
+from turnstile.train.advantages import (
+    gdpo_advantages,
+    gdpo_reward_advantages,
+    grpo_advantages,
+    mrtpo_batch,
+    mrtpo_token_advantages,
+    mrtpo_token_weights,
+)
+from turnstile.train.batches import (
+    TrainSample,
+    assign_gdpo,
+    assign_grpo,
+    assign_mrtpo,
+    pack_batch,
+    pad_batch,
+)
+from turnstile.train.dataset import GroupCollector, Position, ShardFollower, iter_groups
+
+__all__ = [
+    "GroupCollector",
+    "Position",
+    "ShardFollower",
+    "TrainSample",
+    "assign_gdpo",
+    "assign_grpo",
+    "assign_mrtpo",
+    "gdpo_advantages",
+    "gdpo_reward_advantages",
+    "grpo_advantages",
+    "iter_groups",
+    "mrtpo_batch",
+    "mrtpo_token_advantages",
+    "mrtpo_token_weights",
+    "pack_batch",
+    "pad_batch",
+]

@@ -1,0 +1,292 @@
+"""Training samples from Turnstile shards, as padded or packed numpy batches.
+
+``TrainSample`` is one row of the ``samples`` table with what a trainer needs: the exact
+``input_ids``, ``loss_mask`` and ``behavior_logprobs``, the named rewards with their
+verifier information, the group and the policy versions. ``pad_batch`` lays samples out
+as ``(B, L)`` arrays with an attention mask; ``pack_batch`` concatenates them into one row
+with restarting ``position_ids`` and ``cu_seqlens`` (the layout of varlen attention
+kernels). Per-token advantages (from ``turnstile.train.advantages``) travel along,
+aligned with ``loss_mask``. Numpy and pyarrow only; ``to_torch`` converts lazily.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import numpy as np
+import numpy.typing as npt
+import pyarrow as pa
+
+from turnstile.train import advantages as adv
+
+# The columns of the samples table a TrainSample is built from.
+SAMPLE_COLUMNS: Final[tuple[str, ...]] = (
+    "rollout_id",
+    "sample_index",
+    "group_id",
+    "task_id",
+    "rollout_status",
+    "input_ids",
+    "loss_mask",
+    "behavior_logprobs",
+    "rewards",
+    "policy_versions",
+    "min_policy_version",
+    "max_policy_version",
+)
+
+Batch = dict[str, npt.NDArray[Any]]
+
+
+@dataclass
+class TrainSample:
+    """One training sample (a row of ``samples``) as numpy arrays."""
+
+    rollout_id: str
+    sample_index: int
+    group_id: str | None
+    task_id: str | None
+    rollout_status: str
+    input_ids: npt.NDArray[np.int32]
+    loss_mask: npt.NDArray[np.int8]
+    behavior_logprobs: npt.NDArray[np.float32]
+    rewards: dict[str, float]
+    reward_info: dict[str, str | None]
+    policy_versions: npt.NDArray[np.int64]
+    min_policy_version: int | None
+    max_policy_version: int | None
+    # Per-token advantages on the input_ids layout (0 off the mask); set by the caller.
+    advantages: npt.NDArray[np.float64] | None = field(default=None, repr=False)
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.rollout_id, self.sample_index)
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return int(np.count_nonzero(self.loss_mask))
+
+    def staleness(self, current_version: int) -> int:
+        """How many versions behind ``current_version`` its oldest turn was sampled."""
+        low = self.min_policy_version
+        return 0 if low is None else current_version - low
+
+
+def samples_from_batch(batch: pa.RecordBatch | pa.Table) -> Iterator[TrainSample]:
+    """``TrainSample``s from a record batch holding at least ``SAMPLE_COLUMNS``."""
+    cols = {name: batch.column(name) for name in SAMPLE_COLUMNS}
+    lists = {
+        name: cols[name].to_pylist()
+        for name in ("rollout_id", "sample_index", "group_id", "task_id", "rollout_status",
+                     "rewards", "min_policy_version", "max_policy_version")
+    }
+
+    def parts(name: str, dtype: type[np.generic]) -> tuple[npt.NDArray[Any], Any]:
+        column = cols[name]
+        if isinstance(column, pa.ChunkedArray):
+            column = column.combine_chunks()
+        values = np.asarray(column.values.to_numpy(zero_copy_only=False), dtype=dtype)
+        return values, column.offsets.to_numpy()
+
+    ids, ids_off = parts("input_ids", np.int32)
+    mask, mask_off = parts("loss_mask", np.int8)
+    logp, logp_off = parts("behavior_logprobs", np.float32)
+    vers, vers_off = parts("policy_versions", np.int64)
+    for i in range(batch.num_rows):
+        items = lists["rewards"][i] or []
+        yield TrainSample(
+            rollout_id=lists["rollout_id"][i],
+            sample_index=lists["sample_index"][i],
+            group_id=lists["group_id"][i],
+            task_id=lists["task_id"][i],
+            rollout_status=lists["rollout_status"][i],
+            input_ids=ids[ids_off[i] : ids_off[i + 1]].copy(),
+            loss_mask=mask[mask_off[i] : mask_off[i + 1]].copy(),
+            behavior_logprobs=logp[logp_off[i] : logp_off[i + 1]].copy(),
+            rewards={str(r["name"]): float(r["value"]) for r in items},
+            reward_info={str(r["name"]): r.get("info") for r in items},
+            policy_versions=vers[vers_off[i] : vers_off[i + 1]].copy(),
+            min_policy_version=lists["min_policy_version"][i],
+            max_policy_version=lists["max_policy_version"][i],
+        )
+
+
+# ----------------------------------------------------------------- advantages on samples
+
+
+def _group_keys(samples: Sequence[TrainSample]) -> list[str]:
+    # A sample without a group is its own group (its advantage is then 0).
+    return [s.group_id if s.group_id is not None else f"\0{s.rollout_id}" for s in samples]
+
+
+def assign_grpo(
+    samples: Sequence[TrainSample],
+    reward_names: Sequence[str] | None = None,
+    weights: Sequence[float] | None = None,
+) -> npt.NDArray[np.float64]:
+    """Set GRPO per-token advantages on ``samples``; return the per-sample advantages."""
+    rewards, _ = adv.reward_matrix([s.rewards for s in samples], reward_names)
+    a = adv.grpo_advantages(rewards, _group_keys(samples), weights)
+    for s, value in zip(samples, a, strict=True):
+        s.advantages = adv.spread_over_mask(value, s.loss_mask)
+    return a
+
+
+def assign_gdpo(
+    samples: Sequence[TrainSample],
+    reward_names: Sequence[str] | None = None,
+    weights: Sequence[float] | None = None,
+) -> npt.NDArray[np.float64]:
+    """Set GDPO per-token advantages on ``samples``; return the per-sample advantages."""
+    rewards, _ = adv.reward_matrix([s.rewards for s in samples], reward_names)
+    a = adv.gdpo_advantages(rewards, _group_keys(samples), weights)
+    for s, value in zip(samples, a, strict=True):
+        s.advantages = adv.spread_over_mask(value, s.loss_mask)
+    return a
+
+
+def assign_mrtpo(
+    samples: Sequence[TrainSample],
+    relevance: Mapping[tuple[str, int, str], npt.ArrayLike],
+    reward_names: Sequence[str] | None = None,
+    weights: Sequence[float] | None = None,
+    floor: float = 1.0,
+    temperature: float = 1.0,
+) -> list[npt.NDArray[np.float64]]:
+    """Set MRTPO per-token advantages on ``samples`` (implemented from the notes' reading).
+
+    ``relevance[(rollout_id, sample_index, reward_name)]`` is that reward's per-token JSD
+    over the sample's loss tokens (e.g. from ``turnstile.train.rescore.read_relevance``);
+    a reward without an entry is spread uniformly, as in GDPO.
+    """
+    rewards, names = adv.reward_matrix([s.rewards for s in samples], reward_names)
+    per_reward = adv.gdpo_reward_advantages(rewards, _group_keys(samples))
+    rel = [[relevance.get((s.rollout_id, s.sample_index, k)) for k in names] for s in samples]
+    tokens = adv.mrtpo_batch(
+        per_reward, rel, weights, floor, temperature,
+        num_tokens=[s.num_loss_tokens for s in samples],
+    )
+    for s, t in zip(samples, tokens, strict=True):
+        s.advantages = adv.spread_over_mask(t, s.loss_mask)
+    return tokens
+
+
+# ----------------------------------------------------------------- layouts
+
+
+def _token_advantages(s: TrainSample) -> npt.NDArray[np.float64]:
+    if s.advantages is None:
+        return np.zeros(s.input_ids.shape[0], dtype=np.float64)
+    if s.advantages.shape[0] != s.input_ids.shape[0]:
+        raise ValueError(f"sample {s.key}: advantages not aligned with input_ids")
+    return s.advantages
+
+
+def pad_batch(
+    samples: Sequence[TrainSample],
+    pad_token_id: int = 0,
+    max_length: int | None = None,
+    pad_to_multiple_of: int = 1,
+    group_ids: Sequence[str] | None = None,
+) -> Batch:
+    """Right-padded ``(B, L)`` arrays.
+
+    Keys: ``input_ids`` (int64), ``attention_mask`` and ``loss_mask`` (int64, 0 on padding),
+    ``position_ids``, ``behavior_logprobs`` (float32, 0 where the mask is 0),
+    ``advantages`` (float32), ``group_index`` (int64, dense per group id),
+    ``policy_version`` (int64, each sample's oldest turn; -1 if unknown). Samples longer
+    than ``max_length`` are truncated on the right.
+    """
+    if not samples:
+        raise ValueError("an empty batch")
+    lengths = [s.input_ids.shape[0] for s in samples]
+    length = max(lengths) if max_length is None else min(max(lengths), max_length)
+    length = -(-length // pad_to_multiple_of) * pad_to_multiple_of
+    b = len(samples)
+    out: Batch = {
+        "input_ids": np.full((b, length), pad_token_id, dtype=np.int64),
+        "attention_mask": np.zeros((b, length), dtype=np.int64),
+        "loss_mask": np.zeros((b, length), dtype=np.int64),
+        "position_ids": np.zeros((b, length), dtype=np.int64),
+        "behavior_logprobs": np.zeros((b, length), dtype=np.float32),
+        "advantages": np.zeros((b, length), dtype=np.float32),
+    }
+    for i, s in enumerate(samples):
+        n = min(lengths[i], length)
+        mask = s.loss_mask[:n].astype(np.int64)
+        out["input_ids"][i, :n] = s.input_ids[:n]
+        out["attention_mask"][i, :n] = 1
+        out["loss_mask"][i, :n] = mask
+        out["position_ids"][i, :n] = np.arange(n)
+        out["behavior_logprobs"][i, :n] = np.where(mask > 0, s.behavior_logprobs[:n], 0.0)
+        out["advantages"][i, :n] = _token_advantages(s)[:n]
+    keys = list(group_ids) if group_ids is not None else _group_keys(samples)
+    out["group_index"] = adv._group_index(keys)[0]
+    out["policy_version"] = np.array(
+        [-1 if s.min_policy_version is None else s.min_policy_version for s in samples],
+        dtype=np.int64,
+    )
+    return out
+
+
+def pack_batch(samples: Sequence[TrainSample], max_tokens: int | None = None) -> Batch:
+    """All samples concatenated into one ``(1, N)`` row (no padding).
+
+    ``position_ids`` restart at 0 for every sample and ``cu_seqlens`` (``(B + 1,)``, int32)
+    gives their boundaries, as varlen attention kernels expect; ``sequence_index`` says
+    which sample each token belongs to. ``max_tokens`` raises when the total is larger.
+    """
+    if not samples:
+        raise ValueError("an empty batch")
+    lengths = np.array([s.input_ids.shape[0] for s in samples], dtype=np.int64)
+    total = int(lengths.sum())
+    if max_tokens is not None and total > max_tokens:
+        raise ValueError(f"{total} tokens do not fit in a pack of {max_tokens}")
+    cu = np.zeros(len(samples) + 1, dtype=np.int32)
+    cu[1:] = np.cumsum(lengths)
+    mask = np.concatenate([s.loss_mask.astype(np.int64) for s in samples])
+    logp = np.concatenate([s.behavior_logprobs for s in samples]).astype(np.float32)
+    out: Batch = {
+        "input_ids": np.concatenate([s.input_ids for s in samples]).astype(np.int64)[None],
+        "attention_mask": np.ones((1, total), dtype=np.int64),
+        "loss_mask": mask[None],
+        "position_ids": np.concatenate([np.arange(n) for n in lengths])[None],
+        "behavior_logprobs": np.where(mask > 0, logp, 0.0).astype(np.float32)[None],
+        "advantages": np.concatenate([_token_advantages(s) for s in samples])
+        .astype(np.float32)[None],
+        "sequence_index": np.repeat(np.arange(len(samples)), lengths)[None],
+        "cu_seqlens": cu,
+        "group_index": adv._group_index(_group_keys(samples))[0],
+    }
+    return out
+
+
+def pack_greedy(
+    samples: Sequence[TrainSample], max_tokens: int
+) -> list[list[TrainSample]]:
+    """Split samples, in order, into consecutive packs of at most ``max_tokens`` tokens.
+
+    A sample longer than ``max_tokens`` gets a pack of its own.
+    """
+    packs: list[list[TrainSample]] = []
+    current: list[TrainSample] = []
+    used = 0
+    for s in samples:
+        n = s.input_ids.shape[0]
+        if current and used + n > max_tokens:
+            packs.append(current)
+            current, used = [], 0
+        current.append(s)
+        used += n
+    if current:
+        packs.append(current)
+    return packs
+
+
+def to_torch(batch: Batch, device: Any = None) -> dict[str, Any]:
+    """The batch as torch tensors (needs the ``train`` extra)."""
+    import torch
+
+    return {k: torch.from_numpy(np.ascontiguousarray(v)).to(device) for k, v in batch.items()}

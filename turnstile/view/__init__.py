@@ -1,0 +1,1 @@
+"""The web viewer of `turnstile view` (and the data layer `turnstile inspect` shares)."""
