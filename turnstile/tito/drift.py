@@ -51,6 +51,8 @@ TOOLS: list[dict[str, Any]] = [
         "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
                        "required": ["path"]}}},
 ]
+# Longest end-of-turn marker text looked for before the end of a common prefix.
+MAX_MARKER_CHARS = 32
 LONG_OUTPUT = "\n".join(f"line {i}: {'x' * (i % 13)} résultat {i * 1.5}" for i in range(60))
 
 
@@ -186,12 +188,13 @@ class SimulatedModel:
         r = self.renderer
         prompt = r.render(history, tools, None, True)
         whole = r.render([*history, assistant], tools, None, False)
-        turn = whole[len(os.path.commonprefix([prompt, whole])):]  # noqa: RUF071 - text prefix
-        end = r.end_of_turn(turn, 0)
+        start = len(os.path.commonprefix([prompt, whole]))  # noqa: RUF071 - text prefix
+        # The character-wise common prefix may end inside a marker ("<" of "<|eot|>").
+        end = r.end_of_turn(whole, max(0, start - MAX_MARKER_CHARS))
         if end is None:
             raise ValueError("the template's assistant turn has no end-of-turn token")
         cut, eot = end
-        text = _perturb(turn[: cut - len(r.decode([eot]))], how)
+        text = _perturb(whole[start : max(start, cut - len(r.decode([eot])))], how)
         ids = r.encode(text)
         if how == "split_token":
             ids = _split_token(r, ids)
