@@ -4,24 +4,19 @@ exact backend tokens in the shards."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import uvicorn
 
-from turnstile.app import create_app
+from tests.live import TurnstileServer
 from turnstile.reader import open_output, rewards_dict
-from turnstile.settings import load_settings
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 # One example on the tiny CPU model takes seconds; the bound covers a loaded 2-core machine
@@ -29,43 +24,10 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 EXAMPLE_TIMEOUT_S = 300
 # Shards roll every second in these tests (`shard_max_age_s`); publication is prompt.
 PUBLISH_TIMEOUT_S = 30.0
-START_TIMEOUT_S = 30.0
-STOP_TIMEOUT_S = 60.0
 POLL_S = 0.1
 
 
-class Turnstile:
-    """Turnstile in front of the real vLLM, served by uvicorn in a thread."""
-
-    def __init__(self, backend_url: str, output: Path, tokenizer: Path) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        self.output = output
-        settings = load_settings(
-            None,
-            {"backends": [backend_url], "output": output, "port": port,
-             "tokenizer": tokenizer, "shard_max_age_s": 1.0},
-            environ={},
-        )
-        self.server = uvicorn.Server(
-            uvicorn.Config(create_app(settings), host="127.0.0.1", port=port,
-                           log_level="warning")
-        )
-        self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve()))
-
-    def __enter__(self) -> Turnstile:
-        self.thread.start()
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not self.server.started:
-            assert time.monotonic() < deadline, "Turnstile did not start"
-            time.sleep(POLL_S / 5)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(STOP_TIMEOUT_S)
+Turnstile = TurnstileServer
 
 
 def published_rollouts(output: Path, group_id: str, count: int) -> list[dict[str, Any]]:

@@ -8,7 +8,6 @@ concatenation of its turns (or is split and flagged where vLLM's re-rendering dr
 
 from __future__ import annotations
 
-import asyncio
 import json
 import signal
 import socket
@@ -24,11 +23,9 @@ import httpx
 import numpy as np
 import openai
 import pytest
-import uvicorn
 
-from turnstile.app import create_app
+from tests.live import TurnstileServer
 from turnstile.reader import open_output
-from turnstile.settings import load_settings
 
 MODEL = "tiny-qwen3"
 TOOLS = [
@@ -51,37 +48,8 @@ MAX_TOKENS = 12
 SEED = 1234
 
 
-class Turnstile:
-    """Turnstile in front of the real vLLM, run by uvicorn in a thread."""
-
-    def __init__(self, backend_url: str, output: Path, tokenizer: Path) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        self.output = output
-        settings = load_settings(
-            None,
-            {"backends": [backend_url], "output": output, "port": port,
-             "tokenizer": tokenizer, "shard_max_age_s": 1.0},
-            environ={},
-        )
-        self.app = create_app(settings)
-        self.server = uvicorn.Server(
-            uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="warning")
-        )
-        self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve()))
-
-    def start(self) -> None:
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline, "Turnstile did not start"
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(60)
+class Turnstile(TurnstileServer):
+    """Turnstile in front of the real vLLM (shards roll every second)."""
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ import httpx
 import openai
 import pytest
 
-from tests.unit.conftest import LiveServer
+from tests.live import LiveServer
 from turnstile.app import create_app
 from turnstile.reader import open_output
 from turnstile.settings import load_settings

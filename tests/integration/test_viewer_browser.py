@@ -8,22 +8,18 @@ driven by Selenium): rollouts recorded through Turnstile from the real CPU vLLM,
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from rich.console import Console
 
 from tests.integration.test_examples import Turnstile, published_rollouts
+from tests.live import LiveServer
 from turnstile.inspect import show_rollout, summary
 from turnstile.view.data import OutputData, TokenText
 from turnstile.view.server import build_app
@@ -101,25 +97,12 @@ def _record(ts: Turnstile, http: httpx.Client) -> str:
     return rid
 
 
-class Viewer:
-    def __init__(self, directory: Path, tokenizer: Path) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(build_app(directory, tokenizer),
-                                                    host="127.0.0.1", port=self.port,
-                                                    log_level="warning"))
-        self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve()))
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline, "viewer did not start"
-            time.sleep(0.02)
+class Viewer(LiveServer):
+    """`turnstile view`'s app over a recorded directory."""
 
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
+    def __init__(self, directory: Path, tokenizer: Path) -> None:
+        super().__init__(build_app(directory, tokenizer))
+        self.start()
 
 
 @pytest.fixture(scope="module")

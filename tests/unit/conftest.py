@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import asyncio
-import socket
-import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-import uvicorn
 from fastapi import FastAPI
 
 from tests.fakes_backend import FakeVLLM, Reply
 from tests.fakes_sink import InMemorySink
+from tests.live import LiveServer
 from turnstile.app import create_app
 from turnstile.settings import load_settings
 
@@ -40,34 +36,6 @@ def make_app(tmp_path: Path) -> MakeApp:
         return Harness(create_app(settings, backend=backend, sink=sink), backend, sink)
 
     return _make
-
-
-class LiveServer:
-    """Runs an app under uvicorn on a free loopback port in a background thread."""
-
-    def __init__(self, app: FastAPI) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(
-            app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on"
-        )
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve()))
-
-    def __enter__(self) -> LiveServer:
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            if time.monotonic() > deadline:
-                raise RuntimeError("uvicorn did not start within 10 s")
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from tests.unit.conftest import LiveServer
+from tests.live import LiveServer
 from turnstile.app import create_app
 from turnstile.parsers import parser_for_template
 from turnstile.settings import SettingsError, load_settings

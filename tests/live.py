@@ -1,0 +1,85 @@
+"""Servers for tests: an ASGI app (Turnstile, the viewer) under uvicorn in a thread.
+
+`LiveServer(app)` serves any app on a free loopback port; `TurnstileServer` builds
+Turnstile's app from settings (a real backend URL, an output directory, a tokenizer) and
+serves it. Both are context managers, and `start()` / `stop()` do the same by hand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from turnstile.app import create_app
+from turnstile.settings import load_settings
+
+# uvicorn binds and runs the app's start-up (the journal, the writer) within this.
+START_TIMEOUT_S = 30.0
+# In-flight calls drain and shards are published on the way out.
+STOP_TIMEOUT_S = 60.0
+_POLL_S = 0.01
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class LiveServer:
+    """Runs an app under uvicorn on a loopback port in a background thread."""
+
+    def __init__(self, app: Any, port: int | None = None) -> None:
+        self.app = app
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(
+            app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on"
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve()))
+
+    def start(self) -> None:
+        self.thread.start()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError(f"uvicorn did not start within {START_TIMEOUT_S:g} s")
+            time.sleep(_POLL_S)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(STOP_TIMEOUT_S)
+
+    def __enter__(self) -> LiveServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class TurnstileServer(LiveServer):
+    """Turnstile in front of `backend_url`, recording to `output`."""
+
+    def __init__(self, backend_url: str, output: Path, tokenizer: Path | None,
+                 **overrides: Any) -> None:
+        port = free_port()
+        settings = load_settings(
+            None,
+            {"backends": [backend_url], "output": output, "port": port,
+             "tokenizer": tokenizer, "shard_max_age_s": 1.0, **overrides},
+            environ={},
+        )
+        super().__init__(create_app(settings), port)
+        self.output = output
+
+    def __enter__(self) -> TurnstileServer:
+        self.start()
+        return self
