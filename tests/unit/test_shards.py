@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import itertools
+import json
 import os
 import re
 import time
@@ -22,6 +23,7 @@ from turnstile.schema import SCHEMA_VERSION
 from turnstile.shards import (
     DEFAULT_MAX_AGE_S,
     DEFAULT_MAX_ROWS,
+    STAGING_DIR,
     ParquetShardSink,
     Sink,
     SinkError,
@@ -272,3 +274,58 @@ def test_in_memory_fake_follows_the_protocol() -> None:
     assert fake.closed
     with pytest.raises(SinkError):
         sink.write_rollouts([make_rollout()])
+
+
+def _manifest_names(sink: ParquetShardSink) -> list[str]:
+    data = json.loads(sink.manifest_path.read_text())
+    assert data["writer_id"] == sink.writer_id
+    return sorted(f"{e['table']}/{e['name']}" for e in data["shards"])
+
+
+def _own_shards(out: Path, writer_id: str) -> list[str]:
+    names = []
+    for path in out.glob("*/part-*.parquet"):
+        match = NAME.fullmatch(path.name)
+        if match and match[2] == writer_id and path.parent.name != STAGING_DIR:
+            names.append(f"{path.parent.name}/{path.name}")
+    return sorted(names)
+
+
+def test_each_writer_keeps_a_manifest_of_its_own_shards(tmp_path: Path) -> None:
+    a, b = _sink(tmp_path, "replica-a", max_rows=2), _sink(tmp_path, "replica-b", max_rows=2)
+    a.write_turns([make_turn("r", i) for i in range(4)])
+    b.write_turns([make_turn("s", i) for i in range(2)])
+    assert _manifest_names(a) == _own_shards(tmp_path, "replica-a")
+    assert len(_manifest_names(a)) == 2
+    assert _manifest_names(b) == _own_shards(tmp_path, "replica-b") and len(_manifest_names(b)) == 1
+
+
+def test_a_manifest_lost_in_a_crash_is_rebuilt_at_start_up(tmp_path: Path) -> None:
+    sink = _sink(tmp_path, "replica-a", max_rows=2)
+    sink.write_turns([make_turn("r", i) for i in range(4)])
+    published = _own_shards(tmp_path, "replica-a")
+    # A crash between a publish and the manifest rewrite: the manifest lags the shards.
+    sink.manifest_path.write_text(json.dumps({"manifest_version": 1,
+                                              "writer_id": "replica-a", "shards": []}))
+    restarted = _sink(tmp_path, "replica-a", max_rows=2)
+    assert _manifest_names(restarted) == published
+
+
+def test_a_failed_manifest_rewrite_is_retried_and_loses_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sink = _sink(tmp_path, "replica-a", max_rows=2)
+    real_replace = os.replace
+
+    def full_for_manifests(src: Any, dst: Any) -> None:
+        if "_manifests" in str(dst):
+            _enospc()
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", full_for_manifests)
+    sink.write_turns([make_turn("r", i) for i in range(2)])  # published, manifest not
+    assert _own_shards(tmp_path, "replica-a") and not _manifest_names(sink)
+    monkeypatch.setattr(os, "replace", real_replace)
+    sink.write_turns([make_turn("r", i) for i in range(2, 4)])
+    assert _manifest_names(sink) == _own_shards(tmp_path, "replica-a")
+    assert len(_manifest_names(sink)) == 2
