@@ -271,3 +271,22 @@ def test_a_template_failing_the_audit_is_refused_unless_allowed(tmp_path: Path) 
 def test_tito_needs_a_tokenizer() -> None:
     with pytest.raises(SettingsError, match="tokenizer"):
         load_settings(None, {"mode": "tito"}, environ={})
+
+
+def test_delta_finds_the_turn_when_the_generation_prompt_is_not_repeated(
+    assets: Path,
+) -> None:
+    # R1 distills open "<think>\n" in the generation prompt but render an earlier turn
+    # without it: the turn still ends at its own end-of-sentence token, not earlier.
+    name = "deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja"
+    hf = load_tokenizer(_tokenizer_dir(name))
+    renderer = TemplateRenderer(hf, (assets / "templates" / name).read_text())
+    history = [USER, {"role": "assistant", "content": "Hello."}]
+    messages = [*history, {"role": "user", "content": "again"}]
+    before = renderer.render(history[:-1], None, None, True)
+    whole = renderer.render(history, None, None, False)
+    assert not whole.startswith(before)
+    start = renderer.turn_start(before, whole)
+    assert whole[start:] == "Hello.<｜end▁of▁sentence｜>"  # noqa: RUF001 - DeepSeek markers
+    delta = renderer.delta(history, messages, None, None)
+    assert delta.text == "<｜User｜>again<｜Assistant｜><think>\n"  # noqa: RUF001

@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import itertools
 import json
-import os
 import tempfile
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
@@ -51,8 +50,6 @@ TOOLS: list[dict[str, Any]] = [
         "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
                        "required": ["path"]}}},
 ]
-# Longest end-of-turn marker text looked for before the end of a common prefix.
-MAX_MARKER_CHARS = 32
 LONG_OUTPUT = "\n".join(f"line {i}: {'x' * (i % 13)} résultat {i * 1.5}" for i in range(60))
 
 
@@ -188,9 +185,8 @@ class SimulatedModel:
         r = self.renderer
         prompt = r.render(history, tools, None, True)
         whole = r.render([*history, assistant], tools, None, False)
-        start = len(os.path.commonprefix([prompt, whole]))  # noqa: RUF071 - text prefix
-        # The character-wise common prefix may end inside a marker ("<" of "<|eot|>").
-        end = r.end_of_turn(whole, max(0, start - MAX_MARKER_CHARS))
+        start = r.turn_start(prompt, whole)
+        end = r.end_of_turn(whole, start)
         if end is None:
             raise ValueError("the template's assistant turn has no end-of-turn token")
         cut, eot = end

@@ -98,6 +98,22 @@ class TemplateRenderer:
         text = self.render(messages, tools, kwargs, True)
         return self.encode(text), text
 
+    def turn_start(self, prompt: str, whole: str) -> int:
+        """Where the assistant turn begins in `whole` (a rendering that ends with it),
+        given `prompt` (the rendering before it, with the generation prompt): the end of
+        their common prefix, moved back to the start of a marker that prefix cuts."""
+        if whole.startswith(prompt):
+            return len(prompt)
+        at = 0
+        limit = min(len(prompt), len(whole))
+        while at < limit and prompt[at] == whole[at]:
+            at += 1
+        for marker in self._marker_ids:
+            for back in range(1, len(marker)):
+                if at - back >= 0 and whole.startswith(marker, at - back):
+                    return at - back
+        return at
+
     def end_of_turn(self, text: str, start: int) -> tuple[int, int] | None:
         """Where the first stop-token marker at or after `start` ends, and its id."""
         best: tuple[int, int] | None = None
@@ -122,7 +138,9 @@ class TemplateRenderer:
             raise RenderError("the history must end with the sampled assistant turn")
         before = self.render(history[:-1], tools, kwargs, True)
         with_turn = self.render(history, tools, kwargs, False)
-        start = len(before) if with_turn.startswith(before) else 0
+        # Where the assistant turn starts: after the generation prompt, or where the two
+        # renderings part (a generation prompt the turn does not repeat, e.g. "<think>").
+        start = self.turn_start(before, with_turn)
         found = self.end_of_turn(with_turn, start)
         if found is None:
             raise RenderError(
