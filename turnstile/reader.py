@@ -414,10 +414,12 @@ class ShardReader:
             yield from _batch_arrays(batch)
 
 
-def _list_parts(
-    column: pa.Array, dtype: type[np.generic]
+def list_parts(
+    column: pa.Array | pa.ChunkedArray, dtype: type[np.generic]
 ) -> tuple[npt.NDArray[Any], npt.NDArray[np.int32]]:
     """A list column's flat values and absolute offsets into them."""
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
     assert isinstance(column, pa.ListArray)
     values = np.asarray(column.values.to_numpy(zero_copy_only=False), dtype=dtype)
     offsets = column.offsets.to_numpy()
@@ -425,10 +427,10 @@ def _list_parts(
 
 
 def _batch_arrays(batch: pa.RecordBatch) -> Iterator[SampleArrays]:
-    ids, ids_off = _list_parts(batch.column("input_ids"), np.int32)
-    mask, mask_off = _list_parts(batch.column("loss_mask"), np.int8)
-    logp, logp_off = _list_parts(batch.column("behavior_logprobs"), np.float32)
-    vers, vers_off = _list_parts(batch.column("policy_versions"), np.int64)
+    ids, ids_off = list_parts(batch.column("input_ids"), np.int32)
+    mask, mask_off = list_parts(batch.column("loss_mask"), np.int8)
+    logp, logp_off = list_parts(batch.column("behavior_logprobs"), np.float32)
+    vers, vers_off = list_parts(batch.column("policy_versions"), np.int64)
     rollout_ids = batch.column("rollout_id").to_pylist()
     indices = batch.column("sample_index").to_pylist()
     groups = batch.column("group_id").to_pylist()

@@ -32,7 +32,8 @@ def output(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # Ray Data reads deprecated options of its own context while planning (ray internals).
 @pytest.mark.filterwarnings("ignore::DeprecationWarning:ray")
 def test_ray_data_reads_shards_with_a_policy_version_filter(output: Path) -> None:
-    ray = pytest.importorskip("ray")
+    import ray
+
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False,
              configure_logging=False)
     try:

@@ -19,6 +19,7 @@ from turnstile.app import create_app
 from turnstile.objstore import ObjectStorePublisher, open_store
 from turnstile.reader import open_output
 from turnstile.settings import load_settings
+from turnstile.train import ShardFollower
 
 BUCKET = "rl-runs"
 # Everything here is on loopback; each wait is far above what it takes on a busy machine.
@@ -134,8 +135,12 @@ def test_uncommitted_objects_are_invisible(store: Store, tmp_path: Path) -> None
     (table, path), *_ = publisher.staged()
     publisher._upload(table, path)  # step 1 only
     assert open_output(root, filesystem=fs).rollouts().num_rows == 0
+    host = store.url.removeprefix("http://")
+    uri = f"s3://{BUCKET}/run-2?endpoint_override={host}&scheme=http&region=us-east-1"
+    assert list(ShardFollower(uri, statuses=None)) == []  # the trainer side agrees
     staged = len(publisher.staged())
     assert publisher.sync_once() == staged and not publisher.staged()
+    assert len(list(ShardFollower(uri, statuses=None))) == 2
     out = open_output(root, filesystem=fs)
     assert out.rollouts().num_rows == 2 and out.turns().num_rows == 2
     assert open_output(f"s3://{BUCKET}/run-2", filesystem=fs).turns().num_rows == 2

@@ -11,7 +11,7 @@ aligned with ``loss_mask``. Numpy and pyarrow only; ``to_torch`` converts lazily
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -19,6 +19,7 @@ import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 
+from turnstile.reader import list_parts, rewards_dict
 from turnstile.train import advantages as adv
 
 # The columns of the samples table a TrainSample is built from.
@@ -83,17 +84,10 @@ def samples_from_batch(batch: pa.RecordBatch | pa.Table) -> Iterator[TrainSample
                      "rewards", "min_policy_version", "max_policy_version")
     }
 
-    def parts(name: str, dtype: type[np.generic]) -> tuple[npt.NDArray[Any], Any]:
-        column = cols[name]
-        if isinstance(column, pa.ChunkedArray):
-            column = column.combine_chunks()
-        values = np.asarray(column.values.to_numpy(zero_copy_only=False), dtype=dtype)
-        return values, column.offsets.to_numpy()
-
-    ids, ids_off = parts("input_ids", np.int32)
-    mask, mask_off = parts("loss_mask", np.int8)
-    logp, logp_off = parts("behavior_logprobs", np.float32)
-    vers, vers_off = parts("policy_versions", np.int64)
+    ids, ids_off = list_parts(cols["input_ids"], np.int32)
+    mask, mask_off = list_parts(cols["loss_mask"], np.int8)
+    logp, logp_off = list_parts(cols["behavior_logprobs"], np.float32)
+    vers, vers_off = list_parts(cols["policy_versions"], np.int64)
     for i in range(batch.num_rows):
         items = lists["rewards"][i] or []
         yield TrainSample(
@@ -105,7 +99,7 @@ def samples_from_batch(batch: pa.RecordBatch | pa.Table) -> Iterator[TrainSample
             input_ids=ids[ids_off[i] : ids_off[i + 1]].copy(),
             loss_mask=mask[mask_off[i] : mask_off[i + 1]].copy(),
             behavior_logprobs=logp[logp_off[i] : logp_off[i + 1]].copy(),
-            rewards={str(r["name"]): float(r["value"]) for r in items},
+            rewards=rewards_dict(items),
             reward_info={str(r["name"]): r.get("info") for r in items},
             policy_versions=vers[vers_off[i] : vers_off[i + 1]].copy(),
             min_policy_version=lists["min_policy_version"][i],
@@ -121,17 +115,27 @@ def _group_keys(samples: Sequence[TrainSample]) -> list[str]:
     return [s.group_id if s.group_id is not None else f"\0{s.rollout_id}" for s in samples]
 
 
+def _assign_per_sample(
+    estimator: Callable[..., npt.NDArray[np.float64]],
+    samples: Sequence[TrainSample],
+    reward_names: Sequence[str] | None,
+    weights: Sequence[float] | None,
+) -> npt.NDArray[np.float64]:
+    """One advantage per sample from ``estimator`` (GRPO, GDPO), spread over its mask."""
+    rewards, _ = adv.reward_matrix([s.rewards for s in samples], reward_names)
+    a = estimator(rewards, _group_keys(samples), weights)
+    for s, value in zip(samples, a, strict=True):
+        s.advantages = adv.spread_over_mask(value, s.loss_mask)
+    return a
+
+
 def assign_grpo(
     samples: Sequence[TrainSample],
     reward_names: Sequence[str] | None = None,
     weights: Sequence[float] | None = None,
 ) -> npt.NDArray[np.float64]:
     """Set GRPO per-token advantages on ``samples``; return the per-sample advantages."""
-    rewards, _ = adv.reward_matrix([s.rewards for s in samples], reward_names)
-    a = adv.grpo_advantages(rewards, _group_keys(samples), weights)
-    for s, value in zip(samples, a, strict=True):
-        s.advantages = adv.spread_over_mask(value, s.loss_mask)
-    return a
+    return _assign_per_sample(adv.grpo_advantages, samples, reward_names, weights)
 
 
 def assign_gdpo(
@@ -140,11 +144,7 @@ def assign_gdpo(
     weights: Sequence[float] | None = None,
 ) -> npt.NDArray[np.float64]:
     """Set GDPO per-token advantages on ``samples``; return the per-sample advantages."""
-    rewards, _ = adv.reward_matrix([s.rewards for s in samples], reward_names)
-    a = adv.gdpo_advantages(rewards, _group_keys(samples), weights)
-    for s, value in zip(samples, a, strict=True):
-        s.advantages = adv.spread_over_mask(value, s.loss_mask)
-    return a
+    return _assign_per_sample(adv.gdpo_advantages, samples, reward_names, weights)
 
 
 def assign_mrtpo(

@@ -32,8 +32,9 @@ from typing import Any, Final
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from turnstile.reader import check_shard
+from turnstile.reader import check_shard, open_uri, read_manifests
 from turnstile.schema import META_SCHEMA_VERSION, META_TABLE, SCHEMA_VERSION
+from turnstile.shards import SHARD_PREFIX, SHARD_SUFFIX
 from turnstile.train.batches import SAMPLE_COLUMNS, TrainSample, samples_from_batch
 
 # How often a following reader lists the directories for new shards. The proxy publishes
@@ -42,8 +43,6 @@ from turnstile.train.batches import SAMPLE_COLUMNS, TrainSample, samples_from_ba
 DEFAULT_POLL_INTERVAL_S: Final[float] = 1.0
 # Rows read from a shard at a time: bounds memory for large shards.
 READ_BATCH_ROWS: Final[int] = 1024
-SHARD_PREFIX: Final[str] = "part-"
-SHARD_SUFFIX: Final[str] = ".parquet"
 
 
 @dataclass
@@ -75,12 +74,14 @@ class FollowStats:
     dropped_stale: int = 0
 
 
-def _filesystem(root: str | Path) -> tuple[pafs.FileSystem, str]:
+def _filesystem(root: str | Path) -> tuple[pafs.FileSystem, str, bool]:
+    """The filesystem and root of an output, and whether it is an object store (read
+    through its writers' manifests, as `turnstile.reader` does) or a local directory."""
     text = str(root)
-    if "://" in text:
-        fs, path = pafs.FileSystem.from_uri(text)
-        return fs, path.rstrip("/")
-    return pafs.LocalFileSystem(), str(Path(text).resolve())
+    if "://" in text and not text.startswith("file://"):
+        fs, path = open_uri(text)
+        return fs, path, True
+    return pafs.LocalFileSystem(), str(Path(text.removeprefix("file://")).resolve()), False
 
 
 class ShardFollower:
@@ -129,20 +130,14 @@ class ShardFollower:
     def pending_shards(self) -> list[tuple[pafs.FileSystem, str, str]]:
         """Published ``samples`` shards not yet read to the end, oldest first."""
         found: list[tuple[pafs.FileSystem, str, str]] = []
-        for fs, root in self._roots:
-            selector = pafs.FileSelector(f"{root}/samples", allow_not_found=True)
-            for info in fs.get_file_info(selector):
-                name = info.base_name
-                if info.type != pafs.FileType.File or not (
-                    name.startswith(SHARD_PREFIX) and name.endswith(SHARD_SUFFIX)
-                ):
-                    continue
+        for fs, root, remote in self._roots:
+            for name in _published_names(fs, root, remote):
                 key = f"{root}/samples/{name}"
                 if key in self.position.done:
                     continue
                 if self.shard_filter is not None and not self.shard_filter(key):
                     continue
-                found.append((fs, info.path, key))
+                found.append((fs, key, key))
         found.sort(key=lambda item: (Path(item[2]).name, item[2]))
         return found
 
@@ -210,6 +205,19 @@ class ShardFollower:
             ):
                 return
             self._stop.wait(self.poll_interval_s)
+
+
+def _published_names(fs: pafs.FileSystem, root: str, remote: bool) -> list[str]:
+    """The published ``samples`` shards of one output: in an object store those its
+    writers' manifests commit (never an upload not yet committed), locally the listing."""
+    if remote:
+        return sorted({entry["name"] for manifest in read_manifests(fs, root)
+                       for entry in manifest.get("shards", ())
+                       if entry.get("table") == "samples"})
+    selector = pafs.FileSelector(f"{root}/samples", allow_not_found=True)
+    return [info.base_name for info in fs.get_file_info(selector)
+            if info.type == pafs.FileType.File and info.base_name.startswith(SHARD_PREFIX)
+            and info.base_name.endswith(SHARD_SUFFIX)]
 
 
 def _check_metadata(parquet: pq.ParquetFile, key: str) -> None:
