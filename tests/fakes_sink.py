@@ -9,6 +9,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from turnstile.output.schema import rollouts_table, samples_table, turns_table
+from turnstile.output.shards import Sink, SinkError, SinkProgress
 from turnstile.records import (
     BreakKind,
     Reward,
@@ -21,8 +23,6 @@ from turnstile.records import (
     TurnSpan,
     TurnStatus,
 )
-from turnstile.schema import rollouts_table, samples_table, turns_table
-from turnstile.shards import Sink, SinkError, SinkProgress
 
 
 @dataclass

@@ -16,7 +16,7 @@ from typing import Any
 
 import uvicorn
 
-from turnstile.app import create_app
+from turnstile.server.app import create_app
 from turnstile.settings import load_settings
 
 # uvicorn binds and runs the app's start-up (the journal, the writer) within this.

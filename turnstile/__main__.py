@@ -1,5 +1,5 @@
 """`python -m turnstile` runs the command line."""
 
-from turnstile.cli import main
+from turnstile.cli.main import main
 
 raise SystemExit(main())

@@ -25,7 +25,7 @@ import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from turnstile.schema import (
+from turnstile.output.schema import (
     META_SCHEMA_VERSION,
     META_TABLE,
     READABLE_SCHEMA_VERSIONS,

@@ -4,7 +4,7 @@ A `TurnRecord` is one backend call and one choice, exactly as the backend consum
 sampled it. A `SampleRecord` is a training sequence stitched from consecutive turns of a
 rollout. A `RolloutRecord` is the rollout's summary row. These are plain dataclasses so
 that the proxy, the stitcher and the shard writer share one vocabulary; the Parquet
-schema (`turnstile.schema`) maps them onto columns.
+schema (`turnstile.output.schema`) maps them onto columns.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ class TurnRecord:
     # top-k alternatives per completion token, when configured
     top_logprob_ids: list[list[int]] | None = None
     top_logprob_values: list[list[float]] | None = None
-    # with several backends (turnstile.pool): the one that served the call, and the dead
+    # with several backends (turnstile.backends.pool): the one that served the call, and the dead
     # one the rollout was moved away from when this call failed over
     backend: str | None = None
     backend_failover_from: str | None = None

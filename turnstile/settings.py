@@ -26,8 +26,8 @@ from pydantic import (
 )
 
 from turnstile import limits
-from turnstile.journal import DEFAULT_SEGMENT_BYTES
-from turnstile.pool import HEALTH_INTERVAL_S
+from turnstile.backends.pool import HEALTH_INTERVAL_S
+from turnstile.journal.wal import DEFAULT_SEGMENT_BYTES
 
 ENV_PREFIX = "TURNSTILE_"
 # The local directory that stages shards (and holds the journal) when `output` is a URI.
@@ -54,11 +54,11 @@ class Settings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     # Backend base URLs; `MODEL=URL` puts a backend in the group serving model MODEL
-    # (several backends: rollouts routed by consistent hashing, see turnstile.pool).
+    # (several backends: rollouts routed by consistent hashing, see turnstile.backends.pool).
     backends: tuple[str, ...] = Field(default=("http://127.0.0.1:8000",), min_length=1)
     # The same per model name, as a YAML mapping: {model: [url, ...]}.
     model_backends: dict[str, tuple[str, ...]] = Field(default_factory=dict)
-    # The backends' dialect: vLLM's, SGLang's (turnstile.sglang), or asked at start-up.
+    # The backends' dialect: vLLM's, SGLang's (turnstile.backends.sglang), or asked at start-up.
     backend_kind: Literal["vllm", "sglang", "auto"] = "vllm"
     backend_health_interval_s: float = Field(default=HEALTH_INTERVAL_S, gt=0)
     backend_api_key_env: str | None = None
@@ -71,7 +71,7 @@ class Settings(BaseModel):
     # Where shards go: a local directory, or a URI (`s3://bucket/prefix`, any pyarrow or
     # fsspec filesystem URI), given as `output` and moved to `output_uri`; shards are then
     # staged in `output` (the local directory below, which also holds the journal) and
-    # published to the store by turnstile.objstore.
+    # published to the store by turnstile.output.objstore.
     output: Path = Path("turnstile-output")
     output_uri: str | None = None
     staging_dir: Path | None = None  # the local directory when `output` is a URI
@@ -103,7 +103,7 @@ class Settings(BaseModel):
     policy_version: int = 0
     writer_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
-    # "json": one JSON object per line with request and rollout ids (turnstile.logs).
+    # "json": one JSON object per line with request and rollout ids (turnstile.server.logs).
     log_format: Literal["text", "json"] = "text"
     # Processes serving the port together (SO_REUSEPORT); each rollout is owned by one.
     workers: int = Field(default=1, ge=1, le=64)

@@ -2,7 +2,7 @@
 
 The whole loop runs on CPUs in a few minutes:
 
-1. a copy of the tiny random Qwen3 (``python -m turnstile.devstack setup``) is served by
+1. a copy of the tiny random Qwen3 (``python -m turnstile.dev.devstack setup``) is served by
    the CPU vLLM, with ``VLLM_SERVER_DEV_MODE=1`` so that ``POST /collective_rpc
    {"method": "reload_weights"}`` reloads the weights from the model directory;
 2. ``turnstile serve`` records everything in front of it;
@@ -44,7 +44,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from turnstile import devstack
+from turnstile.dev import devstack
 from turnstile.train import batches, losses, policy, rescore
 from turnstile.train.dataset import ShardFollower, iter_group_batches
 

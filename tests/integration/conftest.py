@@ -1,7 +1,7 @@
 """Fixtures for tests against the embedded backend: a real vLLM serving a tiny Qwen3.
 
 The first session builds the vLLM environment, the tokenizer and the model into the
-Turnstile cache (``turnstile.devstack``); later sessions reuse them. One vLLM server is
+Turnstile cache (``turnstile.dev.devstack``); later sessions reuse them. One vLLM server is
 started per session, on a free port, and stopped when the session ends. Every test in this
 directory gets the ``integration`` marker, so ``-m "not integration"`` skips them.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from turnstile import devstack
+from turnstile.dev import devstack
 
 _HERE = Path(__file__).parent
 EXISTING_VLLM_ENV = "TURNSTILE_TEST_VLLM_URL"
@@ -57,7 +57,7 @@ def vllm_server(
     """A healthy vLLM server for the tiny model; its log is in the session's temp dir.
 
     `TURNSTILE_TEST_VLLM_URL` points the suite at an already running tiny-model vLLM
-    (`python -m turnstile.devstack serve-vllm --port P`) instead of starting one.
+    (`python -m turnstile.dev.devstack serve-vllm --port P`) instead of starting one.
     """
     existing = os.environ.get(EXISTING_VLLM_ENV)
     if existing:

@@ -9,8 +9,8 @@ import pytest
 from starlette.testclient import TestClient
 
 from tests.fakes_backend import FakeVLLM
-from turnstile.app import create_app
 from turnstile.reader import open_output
+from turnstile.server.app import create_app
 from turnstile.settings import load_settings
 
 

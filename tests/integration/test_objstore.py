@@ -15,9 +15,9 @@ from moto.server import ThreadedMotoServer
 from starlette.testclient import TestClient
 
 from tests.fakes_backend import FakeVLLM
-from turnstile.app import create_app
-from turnstile.objstore import ObjectStorePublisher, open_store
+from turnstile.output.objstore import ObjectStorePublisher, open_store
 from turnstile.reader import open_output
+from turnstile.server.app import create_app
 from turnstile.settings import load_settings
 from turnstile.train import ShardFollower
 

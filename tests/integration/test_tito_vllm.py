@@ -22,8 +22,8 @@ import openai
 import pytest
 
 from tests.live import LiveServer
-from turnstile.app import create_app
 from turnstile.reader import open_output
+from turnstile.server.app import create_app
 from turnstile.settings import load_settings
 
 MODEL = "tiny-qwen3"

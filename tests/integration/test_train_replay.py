@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from turnstile.cli import main as cli_main
+from turnstile.cli.main import main as cli_main
 from turnstile.train import rescore, rescore_torch
 from turnstile.train.dataset import ShardFollower
 

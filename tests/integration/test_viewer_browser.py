@@ -20,7 +20,7 @@ from rich.console import Console
 
 from tests.integration.test_examples import Turnstile, published_rollouts
 from tests.live import LiveServer
-from turnstile.inspect import show_rollout, summary
+from turnstile.cli.inspection import show_rollout, summary
 from turnstile.view.data import OutputData, TokenText
 from turnstile.view.server import build_app
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-from turnstile.devstack import VLLMServer
+from turnstile.dev.devstack import VLLMServer
 
 # A non-streaming chat call with one or two dozen tokens takes well under a second; allow
 # for a loaded CI runner.

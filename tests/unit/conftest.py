@@ -13,7 +13,7 @@ from fastapi import FastAPI
 from tests.fakes_backend import FakeVLLM, Reply
 from tests.fakes_sink import InMemorySink
 from tests.live import LiveServer
-from turnstile.app import create_app
+from turnstile.server.app import create_app
 from turnstile.settings import load_settings
 
 

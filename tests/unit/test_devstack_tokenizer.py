@@ -1,4 +1,4 @@
-"""The Qwen3 tokenizer built by ``turnstile.devstack`` is Qwen3's real tokenizer.
+"""The Qwen3 tokenizer built by ``turnstile.dev.devstack`` is Qwen3's real tokenizer.
 
 Needs the tokenizer (built into the Turnstile cache on first use, which downloads the
 llama-cpp-python source distribution from PyPI), but no vLLM.
@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from turnstile import devstack
+from turnstile.dev import devstack
 
 TOOL_CALL, END_TOOL_CALL = 151657, 151658
 TOOL_RESPONSE, END_TOOL_RESPONSE = 151665, 151666

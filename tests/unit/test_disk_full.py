@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 from starlette.testclient import TestClient
 
-import turnstile.shards as shards
+import turnstile.output.shards as shards
 from tests.fakes_backend import FakeVLLM
-from turnstile.app import create_app
 from turnstile.reader import open_output
+from turnstile.server.app import create_app
 from turnstile.settings import load_settings
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -61,7 +61,7 @@ def test_enospc_gives_503_and_recovers_without_loss(
 def test_journal_disk_full_means_no_acknowledgement(
     make_app: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import turnstile.journal as journal
+    import turnstile.journal.wal as journal
 
     real_write = journal._write_all
     disk_full = {"on": False}

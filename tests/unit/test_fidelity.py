@@ -24,8 +24,8 @@ from starlette.testclient import TestClient
 
 from tests.fakes_backend import FakeResponse
 from tests.fakes_sink import InMemorySink
-from turnstile.app import create_app
 from turnstile.records import TurnRecord
+from turnstile.server.app import create_app
 from turnstile.settings import load_settings
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

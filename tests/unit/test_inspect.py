@@ -12,9 +12,9 @@ from rich.console import Console
 from starlette.testclient import TestClient
 
 from tests.fakes_backend import FakeVLLM, Reply
-from turnstile.app import create_app
-from turnstile.cli import build_parser
-from turnstile.inspect import run, token_style
+from turnstile.cli.inspection import run, token_style
+from turnstile.cli.main import build_parser
+from turnstile.server.app import create_app
 from turnstile.settings import load_settings
 from turnstile.view.data import OutputData, TokenText
 

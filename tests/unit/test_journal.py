@@ -25,21 +25,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from turnstile import journal as journal_mod
 from turnstile.errors import Overloaded
-from turnstile.journal import (
-    HEADER_BYTES,
-    FileJournal,
-    Frame,
-    JournalError,
-    encode_frame,
-    list_segments,
-    read_frames,
-    read_journal,
-    recover,
-    segment_name,
-)
-from turnstile.journal_codec import (
+from turnstile.journal import wal as journal_mod
+from turnstile.journal.codec import (
     CodecError,
     EventKind,
     PolicyVersionSet,
@@ -50,6 +38,18 @@ from turnstile.journal_codec import (
     decode_turn,
     encode_event,
     encode_turn,
+)
+from turnstile.journal.wal import (
+    HEADER_BYTES,
+    FileJournal,
+    Frame,
+    JournalError,
+    encode_frame,
+    list_segments,
+    read_frames,
+    read_journal,
+    recover,
+    segment_name,
 )
 from turnstile.records import RolloutStatus, Timings, TokenSource, TurnRecord, TurnStatus
 
@@ -380,7 +380,7 @@ async def test_fsync_failure_fails_the_journal(
 CHILD = """
 import asyncio, sys
 from pathlib import Path
-from turnstile.journal import FileJournal
+from turnstile.journal.wal import FileJournal
 
 def payload(seq):
     return (seq.to_bytes(8, "little") * (1 + seq % 700))

@@ -15,8 +15,8 @@ from starlette.testclient import TestClient
 
 from tests.fakes_backend import Reply
 from tests.unit.conftest import MakeApp
-from turnstile.logs import JSONFormatter, make_formatter, redact, request_id_var
-from turnstile.metrics import route_class
+from turnstile.server.logs import JSONFormatter, make_formatter, redact, request_id_var
+from turnstile.server.metrics import route_class
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 

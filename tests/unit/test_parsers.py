@@ -1,4 +1,4 @@
-"""Completion-text parsers (turnstile.parsers): every format whole and streamed, the
+"""Completion-text parsers (turnstile.tito.parsers): every format whole and streamed, the
 chunking invariance of streams, malformed calls kept as content, and the registry."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from turnstile.parsers import (
+from turnstile.tito.parsers import (
     HermesParser,
     OutputParser,
     ParsedDelta,
@@ -30,8 +30,8 @@ from turnstile.parsers import (
     register_parser,
     registry,
 )
-from turnstile.parsers.reasoning import ReasoningOutputParser
-from turnstile.parsers.tools import PlainParser
+from turnstile.tito.parsers.reasoning import ReasoningOutputParser
+from turnstile.tito.parsers.tools import PlainParser
 
 TEMPLATES = Path.home() / ".cache" / "turnstile" / "llama-cpp-assets" / "templates"
 PROPERTY_EXAMPLES = 100

@@ -24,9 +24,9 @@ from starlette.testclient import TestClient
 
 from tests.fakes_backend import FakeVLLM
 from tests.fakes_sink import InMemorySink
-from turnstile.app import create_app
+from turnstile.backends.pool import RING_POINTS_PER_BACKEND, BackendPool, HashRing, Member
 from turnstile.errors import BackendUnreachable
-from turnstile.pool import RING_POINTS_PER_BACKEND, BackendPool, HashRing, Member
+from turnstile.server.app import create_app
 from turnstile.settings import load_settings
 
 # Starting a Python process with aiohttp takes about a second on a loaded machine.

@@ -14,6 +14,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.fakes_sink import make_rollout, make_sample, make_turn
+from turnstile.output.schema import SAMPLES_SCHEMA, samples_table
+from turnstile.output.shards import ParquetShardSink
 from turnstile.reader import (
     SchemaVersionError,
     ShardFormatError,
@@ -28,8 +30,6 @@ from turnstile.records import (
     TurnRecord,
     TurnStatus,
 )
-from turnstile.schema import SAMPLES_SCHEMA, samples_table
-from turnstile.shards import ParquetShardSink
 
 
 def _write(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from turnstile.schema import schema_markdown
+from turnstile.output.schema import schema_markdown
 
 ROOT = Path(__file__).resolve().parents[2]
 

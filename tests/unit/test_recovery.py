@@ -9,8 +9,8 @@ from starlette.testclient import TestClient
 
 from tests.fakes_sink import make_turn
 from tests.unit.conftest import MakeApp
-from turnstile.journal import FileJournal, list_segments
-from turnstile.journal_codec import RewardsPosted, RolloutCreated, encode_event
+from turnstile.journal.codec import RewardsPosted, RolloutCreated, encode_event
+from turnstile.journal.wal import FileJournal, list_segments
 from turnstile.records import RolloutStatus
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

@@ -11,16 +11,16 @@ from starlette.testclient import TestClient
 
 from tests.fakes_backend import FakeVLLM
 from tests.fakes_sink import InMemorySink, make_turn
-from turnstile.app import create_app
-from turnstile.journal import SegmentInfo, read_journal
-from turnstile.journal_codec import PolicyVersionSet, RolloutCreated, decode_event
+from turnstile.journal.codec import PolicyVersionSet, RolloutCreated, decode_event
+from turnstile.journal.retention import removable_through
+from turnstile.journal.wal import SegmentInfo, read_journal
+from turnstile.output.recorder import Recorder, SealJob
+from turnstile.output.shards import SinkError
+from turnstile.output.stitch import RolloutInfo
 from turnstile.reader import open_output
-from turnstile.recorder import Recorder, SealJob
 from turnstile.records import RolloutStatus
-from turnstile.retention import removable_through
+from turnstile.server.app import create_app
 from turnstile.settings import load_settings
-from turnstile.shards import SinkError
-from turnstile.stitch import RolloutInfo
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 

@@ -9,8 +9,8 @@ from starlette.testclient import TestClient
 
 from tests.unit.conftest import MakeApp
 from turnstile.errors import BadRequest, Conflict, NotFound
+from turnstile.proxy.rollouts import Rollout, RolloutRegistry
 from turnstile.records import RolloutStatus
-from turnstile.rollouts import Rollout, RolloutRegistry
 
 
 def make() -> tuple[RolloutRegistry, list[Rollout]]:

@@ -9,8 +9,7 @@ import pyarrow as pa
 import pytest
 
 from tests.fakes_sink import make_rollout, make_sample, make_turn
-from turnstile.records import Reward, RolloutStatus, TokenSource, TurnSpan, TurnStatus
-from turnstile.schema import (
+from turnstile.output.schema import (
     COLUMNS,
     ROLLOUTS_SCHEMA,
     SAMPLES_SCHEMA,
@@ -26,6 +25,7 @@ from turnstile.schema import (
     statistics_columns,
     turns_table,
 )
+from turnstile.records import Reward, RolloutStatus, TokenSource, TurnSpan, TurnStatus
 
 # Trainers code against these columns. When changing any of them, bump SCHEMA_VERSION in
 # turnstile/schema.py and update these lists (and the version below) in the same change.

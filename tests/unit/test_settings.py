@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from turnstile.cli import build_parser, main
+from turnstile.cli.main import build_parser, main
 from turnstile.settings import SettingsError, load_settings, resolve_secret
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

@@ -15,11 +15,7 @@ from starlette.testclient import TestClient
 
 from tests.fakes_backend import FakeResponse, FakeVLLM
 from tests.fakes_sink import InMemorySink
-from turnstile.app import create_app
-from turnstile.errors import BackendError
-from turnstile.records import TokenSource, TurnStatus
-from turnstile.settings import load_settings
-from turnstile.sglang import (
+from turnstile.backends.sglang import (
     GenerateStreamAssembler,
     SGLangBackend,
     chat_stream_mode,
@@ -27,6 +23,10 @@ from turnstile.sglang import (
     generate_request,
     translate_chat_request,
 )
+from turnstile.errors import BackendError
+from turnstile.records import TokenSource, TurnStatus
+from turnstile.server.app import create_app
+from turnstile.settings import load_settings
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "sglang"
 CHAT = json.loads((FIXTURES / "chat_nonstream.json").read_text())

@@ -18,9 +18,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.fakes_sink import InMemorySink, make_rollout, make_sample, make_turn
-from turnstile.reader import open_output
-from turnstile.schema import SCHEMA_VERSION
-from turnstile.shards import (
+from turnstile.output.schema import SCHEMA_VERSION
+from turnstile.output.shards import (
     DEFAULT_MAX_AGE_S,
     DEFAULT_MAX_ROWS,
     STAGING_DIR,
@@ -28,6 +27,7 @@ from turnstile.shards import (
     Sink,
     SinkError,
 )
+from turnstile.reader import open_output
 
 NAME = re.compile(r"part-(\d{13})-(.+)-(\d{6})\.parquet")
 

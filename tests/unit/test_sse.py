@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from turnstile.sse import MAX_EVENT_BYTES, SSEError, SSEParser, encode_data
+from turnstile.proxy.sse import MAX_EVENT_BYTES, SSEError, SSEParser, encode_data
 
 STREAM = (
     b'data: {"a": 1}\n\n'

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from turnstile import sse
-from turnstile.sse import SSEError, SSEEvent, SSEParser
+from turnstile.proxy import sse
+from turnstile.proxy.sse import SSEError, SSEEvent, SSEParser
 
 # A field value: any text without line breaks (the parser works on bytes).
 values = st.text(st.characters(codec="utf-8", exclude_characters="\r\n"), max_size=30).map(

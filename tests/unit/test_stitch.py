@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import orjson
 
+from turnstile.output.stitch import RolloutInfo, stitch
 from turnstile.records import (
     BreakKind,
     Reward,
@@ -14,7 +15,6 @@ from turnstile.records import (
     TurnRecord,
     TurnStatus,
 )
-from turnstile.stitch import RolloutInfo, stitch
 
 INFO = RolloutInfo("r1", "g1", "t1", RolloutStatus.FINISHED, [Reward("correct", 1.0)])
 

@@ -1,4 +1,4 @@
-"""The chat template audit (``turnstile.templates``) on real templates and vocabularies.
+"""The chat template audit (``turnstile.tito.templates``) on real templates and vocabularies.
 
 Uses llama.cpp's vendored chat templates and GGUF vocabularies (extracted into the Turnstile
 cache on first use); the tokenizers built from them are cached there too, so only a cold
@@ -13,22 +13,20 @@ from typing import Any
 
 import pytest
 
-from turnstile.cli import main
-from turnstile.templates import (
+from turnstile.cli.check_template import EXIT_BAD_INPUT, EXIT_NOT_SAFE, EXIT_SAFE
+from turnstile.cli.main import main
+from turnstile.dev.template_corpus import (
     PAIRINGS,
-    AuditReport,
+    PHI35,
+    QWEN3,
+    QWEN25,
     audit_corpus,
-    audit_template,
-    build_tokenizer_dir,
     corpus_markdown,
-    ensure_vocab_tokenizer,
-    keep_reasoning_patch,
-    load_tokenizer,
 )
-from turnstile.templates.command import EXIT_BAD_INPUT, EXIT_NOT_SAFE, EXIT_SAFE
-from turnstile.templates.corpus import PHI35, QWEN3, QWEN25
-from turnstile.templates.model import JSON_SCHEMA
-from turnstile.tinyqwen import ensure_llama_cpp_assets, read_llama_cpp_test_vectors
+from turnstile.dev.tinyqwen import ensure_llama_cpp_assets, read_llama_cpp_test_vectors
+from turnstile.dev.vocab import build_tokenizer_dir, ensure_vocab_tokenizer, load_tokenizer
+from turnstile.tito.templates import AuditReport, audit_template, keep_reasoning_patch
+from turnstile.tito.templates.model import JSON_SCHEMA
 
 QWEN3_TEMPLATE = "Qwen-Qwen3-0.6B.jinja"
 QWEN25_TEMPLATE = "Qwen-Qwen2.5-7B-Instruct.jinja"

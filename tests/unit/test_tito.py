@@ -17,14 +17,15 @@ import openai
 import pytest
 
 from tests.live import LiveServer
-from turnstile.app import create_app
-from turnstile.parsers import parser_for_template
+from turnstile.dev.drift import TOOLS, SimulatedModel
+from turnstile.dev.template_corpus import PAIRINGS
+from turnstile.dev.tinyqwen import ensure_llama_cpp_assets
+from turnstile.dev.vocab import ensure_vocab_tokenizer, load_tokenizer
+from turnstile.server.app import create_app
 from turnstile.settings import SettingsError, load_settings
-from turnstile.templates import PAIRINGS, ensure_vocab_tokenizer, load_tokenizer
-from turnstile.tinyqwen import ensure_llama_cpp_assets
 from turnstile.tito import TemplateRenderer, match
-from turnstile.tito.drift import TOOLS, SimulatedModel
 from turnstile.tito.history import TurnState, canonical, same_reply
+from turnstile.tito.parsers import parser_for_template
 
 QWEN25 = "Qwen-Qwen2.5-7B-Instruct.jinja"
 QWEN3 = "Qwen-Qwen3-0.6B.jinja"
@@ -256,7 +257,7 @@ def test_a_template_failing_the_audit_is_refused_unless_allowed(tmp_path: Path) 
     base = {"output": tmp_path / "o", "tokenizer": _tokenizer_dir(name), "mode": "tito",
             "chat_template": path}
     from tests.fakes_backend import FakeVLLM
-    from turnstile.templates import audit_template
+    from turnstile.tito.templates import audit_template
 
     report = audit_template(load_tokenizer(_tokenizer_dir(name)), path.read_text())
     if report.tito_safe:

@@ -2,7 +2,7 @@
 
 Every vendored llama.cpp template that pairs with a vendored vocabulary runs the corpus's
 multi-turn tool-using conversations (adversarial content) through the whole app in both
-modes (`turnstile.tito.drift`). TITO mode must produce one sample per rollout equal to the
+modes (`turnstile.dev.drift`). TITO mode must produce one sample per rollout equal to the
 exact token stream the backend consumed and produced (zero mismatching tokens) for every
 template that passes the audit (or whose verified fix was applied); record mode must detect
 and classify every break, and never merge through one.
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from turnstile.templates import PAIRINGS, audit_corpus
-from turnstile.tito.drift import TemplateDrift, corpus
+from turnstile.dev.drift import TemplateDrift, corpus
+from turnstile.dev.template_corpus import PAIRINGS, audit_corpus
 
 KNOWN_KINDS = {"rerender", "tokenization", "truncated", "history_rewritten"}
 

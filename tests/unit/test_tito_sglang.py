@@ -14,9 +14,10 @@ from typing import Any
 
 import orjson
 
-from turnstile.sglang import SGLangBackend
-from turnstile.templates import PAIRINGS, ensure_vocab_tokenizer, load_tokenizer
-from turnstile.tinyqwen import ensure_llama_cpp_assets
+from turnstile.backends.sglang import SGLangBackend
+from turnstile.dev.template_corpus import PAIRINGS
+from turnstile.dev.tinyqwen import ensure_llama_cpp_assets
+from turnstile.dev.vocab import ensure_vocab_tokenizer, load_tokenizer
 from turnstile.tito import build_engine
 
 QWEN25 = "Qwen-Qwen2.5-7B-Instruct.jinja"

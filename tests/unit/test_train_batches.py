@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from turnstile.output.shards import ParquetShardSink
 from turnstile.records import BreakKind, Reward, RolloutStatus, SampleRecord, TokenSource, TurnSpan
-from turnstile.shards import ParquetShardSink
 from turnstile.train import batches
 from turnstile.train.dataset import ShardFollower
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.unit.test_train_batches import group_records, write_shard
-from turnstile.cli import main as cli_main
+from turnstile.cli.main import main as cli_main
 from turnstile.train import jsd, rescore, rescore_torch
 from turnstile.train.dataset import ShardFollower
 

@@ -9,7 +9,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from tests.unit.test_inspect import record_output
-from turnstile.cli import build_parser
+from turnstile.cli.main import build_parser
 from turnstile.view.roles import token_roles
 from turnstile.view.server import STATIC_DIR, build_app
 

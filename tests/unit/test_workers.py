@@ -19,7 +19,7 @@ import httpx
 
 from tests.unit.test_crash_recovery import _cli, _port, backend_url  # noqa: F401  (fixture)
 from turnstile.reader import open_output
-from turnstile.workers import owner_of
+from turnstile.server.workers import owner_of
 
 START_TIMEOUT_S = 60.0
 TURNS = 3

@@ -22,9 +22,9 @@ from typing import Final
 
 import numpy as np
 
-from turnstile.journal_codec import encode_event
+from turnstile.journal.codec import encode_event
+from turnstile.output.shards import ParquetShardSink
 from turnstile.records import Timings, TokenSource, TurnRecord, TurnStatus
-from turnstile.shards import ParquetShardSink
 
 # One shard of the default size: the writer's steady state publishes shards this big.
 DEFAULT_ROWS: Final[int] = 4096

@@ -16,9 +16,9 @@ produced.
 """
 
 from turnstile.tito.engine import RewritePolicy, TitoEngine
+from turnstile.tito.gate import TemplateRefused, build_engine
 from turnstile.tito.history import Match, TurnState, match
 from turnstile.tito.render import Delta, RenderError, TemplateRenderer
-from turnstile.tito.setup import TemplateRefused, build_engine
 
 __all__ = [
     "Delta",

@@ -5,7 +5,7 @@ Chat Completions and must get a Chat Completions answer. `completions_body` maps
 request's sampling fields onto a completions request; `ChatAnswer` turns a whole
 completions response into a chat response, and `ChatStream` turns completions stream
 chunks into chat chunks, parsing content, reasoning and tool calls from the sampled text
-(`turnstile.parsers`) and mapping the finish reason as vLLM's chat endpoint does
+(`turnstile.tito.parsers`) and mapping the finish reason as vLLM's chat endpoint does
 (`tool_calls` when calls were parsed and sampling stopped normally).
 
 The chat objects keep vLLM 0.32's shapes, including the recording fields (top-level
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from turnstile.errors import Unprocessable
-from turnstile.parsers import OutputParser, ParsedDelta, ParsedMessage, finish_reason
+from turnstile.tito.parsers import OutputParser, ParsedDelta, ParsedMessage, finish_reason
 
 __all__ = ["ChatAnswer", "ChatStream", "completions_body"]
 

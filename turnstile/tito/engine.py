@@ -26,13 +26,13 @@ from typing import Any, Literal
 import numpy as np
 import orjson
 
-from turnstile.backend import Backend, BackendResponse
+from turnstile.backends.protocol import Backend, BackendResponse
 from turnstile.errors import BackendError, Conflict, Unprocessable
-from turnstile.parsers import ParserSpec, get_parser, prompt_ends_in_reasoning
-from turnstile.parsers.registry import PLAIN, reasoning_markers
-from turnstile.sse import DONE, SSEParser, encode_data
+from turnstile.proxy.sse import DONE, SSEParser, encode_data
 from turnstile.tito.convert import ChatAnswer, ChatStream, completions_body
 from turnstile.tito.history import TurnState, canonical, match
+from turnstile.tito.parsers import ParserSpec, get_parser, prompt_ends_in_reasoning
+from turnstile.tito.parsers.registry import PLAIN, reasoning_markers
 from turnstile.tito.render import RenderError, TemplateRenderer
 
 __all__ = ["RewritePolicy", "TitoEngine"]

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from turnstile.templates.render import as_vllm_renders, stop_ids
+from turnstile.tito.templates.render import as_vllm_renders, stop_ids
 
 __all__ = ["Delta", "RenderError", "TemplateRenderer"]
 

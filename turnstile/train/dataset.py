@@ -32,9 +32,9 @@ from typing import Any, Final
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from turnstile.output.schema import META_SCHEMA_VERSION, META_TABLE, SCHEMA_VERSION
+from turnstile.output.shards import SHARD_PREFIX, SHARD_SUFFIX
 from turnstile.reader import check_shard, open_uri, read_manifests
-from turnstile.schema import META_SCHEMA_VERSION, META_TABLE, SCHEMA_VERSION
-from turnstile.shards import SHARD_PREFIX, SHARD_SUFFIX
 from turnstile.train.batches import SAMPLE_COLUMNS, TrainSample, samples_from_batch
 
 # How often a following reader lists the directories for new shards. The proxy publishes

@@ -18,8 +18,8 @@ import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from turnstile.output.schema import META_TOKENIZER
 from turnstile.reader import ShardReader, rewards_dict
-from turnstile.schema import META_TOKENIZER
 
 # Distinct token ids whose per-token text is kept: a vocabulary is ~150k ids, and a
 # viewer session touches far fewer; the cap bounds memory on a long-running `view`.

@@ -1,0 +1,1 @@
+"""The `turnstile` command line, one module per command."""

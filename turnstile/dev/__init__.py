@@ -1,0 +1,1 @@
+"""Development tooling: the embedded vLLM, the tiny model, caches, the drift corpus."""

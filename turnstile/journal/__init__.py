@@ -1,0 +1,1 @@
+"""The write-ahead journal: log, codec, start-up recovery and retention."""

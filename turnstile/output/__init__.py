@@ -1,0 +1,1 @@
+"""From recorded turns to published Parquet: recorder, stitching, schema, shards."""

@@ -1,0 +1,285 @@
+"""The recorder: moves finished turns and sealed rollouts off the request path.
+
+The event loop hands over work with `submit_turns` / `submit_seal`, which never block
+and never drop. A single writer thread then fills in retokenized IDs where a backend
+returned none, stitches sealed rollouts into samples and writes everything to the sink.
+Admission control happens before a request is sent to the backend (`admit`): when the
+backlog is full the client gets 503 with Retry-After, so nothing is ever accepted and
+then dropped. `stop` publishes everything received before returning.
+
+Journal retention: work may carry a *pin*, the sequence number of the oldest journal
+frame it needs. A pin is held from `submit_*` until every row the work produced is in
+a published shard (`Sink.progress`); `oldest_pin` is what the journal must keep. Work
+that fails keeps its pin for the life of the process, so its frames stay for recovery.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import orjson
+
+from turnstile.errors import Overloaded
+from turnstile.limits import WRITER_TICK_S
+from turnstile.output.shards import Sink
+from turnstile.output.stitch import RolloutInfo, stitch
+from turnstile.output.tokenizer import LocalTokenizer
+from turnstile.records import RolloutRecord, TokenSource, TurnRecord, TurnStatus
+from turnstile.runtime import name_thread
+
+log = logging.getLogger("turnstile.recorder")
+
+# Retokenization warnings are logged in full this many times, then every Nth time.
+RETOKENIZE_WARN_FIRST = 10
+RETOKENIZE_WARN_EVERY = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class SealJob:
+    info: RolloutInfo
+    metadata_json: str | None
+    turns: list[TurnRecord]
+    num_calls: int
+    created_at: float
+    sealed_at: float
+    # after a crash: what of this rollout is already published
+    skip_samples: frozenset[int] = frozenset()
+    skip_rollout: bool = False
+
+
+@dataclass(slots=True)
+class RecorderStats:
+    turns_received: int = 0
+    turns_written: int = 0
+    samples_written: int = 0
+    rollouts_written: int = 0
+    retokenized_turns: int = 0
+    dropped: int = 0  # stays 0: work is refused up front, never dropped
+    breaks_by_kind: dict[str, int] = field(default_factory=dict)
+
+
+_STOP = object()
+
+
+class Recorder:
+    def __init__(
+        self,
+        sink: Sink,
+        *,
+        max_backlog: int,
+        tokenizer: LocalTokenizer | None = None,
+        tick_s: float = WRITER_TICK_S,
+    ) -> None:
+        self._sink = sink
+        self._max_backlog = max_backlog
+        self._tokenizer = tokenizer
+        self._tick_s = tick_s
+        self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._backlog = 0
+        self._lock = threading.Lock()
+        self._pins: dict[int, int] = {}  # journal seq -> pieces of work holding it
+        self._awaiting: deque[tuple[int, Mapping[str, int]]] = deque()  # writer thread only
+        self._thread = threading.Thread(target=self._run, name="turnstile-writer", daemon=True)
+        self.stats = RecorderStats()
+        self.error: str | None = None
+
+    # -- event-loop side -------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def backlog(self) -> int:
+        return self._backlog
+
+    @property
+    def healthy(self) -> bool:
+        return self.error is None and self._thread.is_alive()
+
+    def admit(self) -> None:
+        """Refuse new work (503) while the writer is behind or failing."""
+        if self.error is not None:
+            raise Overloaded(f"recording is failing: {self.error}", retry_after_s=5)
+        if self._backlog >= self._max_backlog:
+            raise Overloaded(
+                f"the recorder is {self._backlog} items behind; retry shortly", retry_after_s=1
+            )
+
+    def submit_turns(self, records: list[TurnRecord], pin: int | None = None) -> None:
+        """Queue turn rows; `pin` is the journal seq of the first of them, if journaled."""
+        with self._lock:
+            self._backlog += 1
+            self.stats.turns_received += len(records)
+            self._hold(pin)
+        self._queue.put((records, pin))
+
+    def submit_seal(self, job: SealJob, pin: int | None = None) -> None:
+        """Queue a sealed rollout; `pin` is the journal seq of its first frame."""
+        with self._lock:
+            self._backlog += 1
+            self._hold(pin)
+        self._queue.put((job, pin))
+
+    @property
+    def oldest_pin(self) -> int | None:
+        """The oldest journal frame that queued or unpublished work still needs."""
+        with self._lock:
+            return min(self._pins) if self._pins else None
+
+    def _hold(self, pin: int | None) -> None:
+        if pin is not None:
+            self._pins[pin] = self._pins.get(pin, 0) + 1
+
+    def stop(self, timeout_s: float) -> bool:
+        """Publish everything received, then close the sink; False if it timed out."""
+        self._queue.put(_STOP)
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    # -- writer thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        name_thread("ts-writer")
+        try:
+            while True:
+                try:
+                    item = self._queue.get(timeout=self._tick_s)
+                except queue.Empty:
+                    self._roll()
+                    continue
+                if item is _STOP:
+                    break
+                assert isinstance(item, tuple)
+                work, pin = item
+                if isinstance(work, SealJob):
+                    ok = self._guard(self._write_seal, work)
+                else:
+                    ok = self._guard(self._write_turns, work)
+                if pin is not None and ok:
+                    self._awaiting.append((pin, self._sink.progress().accepted))
+                with self._lock:
+                    self._backlog -= 1
+                self._roll()
+        finally:
+            try:
+                self._sink.close()
+            except Exception as exc:
+                self.error = f"closing the sink failed: {exc}"
+                log.exception("closing the sink failed")
+            else:
+                self._release()
+
+    def _roll(self) -> None:
+        self._guard(self._sink.maybe_roll, time.time())
+        if self._awaiting:
+            self._release()
+
+    def _release(self) -> None:
+        """Drop the pins of work whose rows are all published."""
+        progress = self._sink.progress()
+        released = []
+        while self._awaiting and progress.covers(self._awaiting[0][1]):
+            released.append(self._awaiting.popleft()[0])
+        if released:
+            with self._lock:
+                for pin in released:
+                    if self._pins[pin] == 1:
+                        del self._pins[pin]
+                    else:
+                        self._pins[pin] -= 1
+
+    def _guard(self, fn: Callable[[Any], None], arg: object) -> bool:
+        try:
+            fn(arg)
+        except Exception as exc:
+            self.error = str(exc)
+            log.exception("recording failed")
+            return False
+        if self.error is not None:
+            log.info("recording recovered after: %s", self.error)
+            self.error = None
+        return True
+
+    def _write_turns(self, records: list[TurnRecord]) -> None:
+        for record in records:
+            if record.token_source is TokenSource.NONE and record.status is not TurnStatus.ERROR:
+                self._retokenize(record)
+        self._sink.write_turns(records)
+        self.stats.turns_written += len(records)
+
+    def _retokenize(self, record: TurnRecord) -> None:
+        tok = self._tokenizer
+        n = self.stats.retokenized_turns
+        if tok is None:
+            if n < RETOKENIZE_WARN_FIRST or n % RETOKENIZE_WARN_EVERY == 0:
+                log.warning(
+                    "backend returned no token IDs for turn %s of rollout %s and no "
+                    "--tokenizer is set: the turn is recorded without tokens",
+                    record.turn_index, record.rollout_id,
+                )
+            self.stats.retokenized_turns += 1
+            return
+        if record.request_messages_json is not None:
+            messages = orjson.loads(record.request_messages_json)
+            tools = orjson.loads(record.request_tools_json or "null")
+            prompt = tok.render_prompt(messages, tools)
+            reply = orjson.loads(record.response_message_json or "null") or {}
+            completion = tok.encode(reply.get("content") or "")
+        else:
+            prompt_value = orjson.loads(record.request_prompt_json or "null")
+            prompt = tok.encode(prompt_value) if isinstance(prompt_value, str) else []
+            completion = tok.encode(record.response_text or "")
+        record.prompt_token_ids = np.asarray(prompt, dtype=np.int32)
+        record.completion_token_ids = np.asarray(completion, dtype=np.int32)
+        if len(record.behavior_logprobs) != len(completion):
+            record.behavior_logprobs = np.full(len(completion), np.nan, dtype=np.float32)
+        record.token_source = TokenSource.RETOKENIZED
+        self.stats.retokenized_turns += 1
+        if n < RETOKENIZE_WARN_FIRST or n % RETOKENIZE_WARN_EVERY == 0:
+            log.warning(
+                "RETOKENIZED: backend returned no token IDs for turn %s of rollout %s; "
+                "Turnstile tokenized it with %s, which may differ from what the model saw "
+                "(%d such turns so far)",
+                record.turn_index, record.rollout_id, tok.path, n + 1,
+            )
+
+    def _write_seal(self, job: SealJob) -> None:
+        samples = stitch(job.info, job.turns, self._tokenizer)
+        breaks = 0
+        for sample in samples:
+            kind = sample.break_kind.value
+            if sample.parent_sample_index is not None:
+                breaks += 1
+                self.stats.breaks_by_kind[kind] = self.stats.breaks_by_kind.get(kind, 0) + 1
+        fresh = [x for x in samples if x.sample_index not in job.skip_samples]
+        if fresh:
+            self._sink.write_samples(fresh)
+        if job.skip_rollout:
+            self.stats.samples_written += len(fresh)
+            return
+        self._sink.write_rollouts(
+            [
+                RolloutRecord(
+                    rollout_id=job.info.rollout_id,
+                    group_id=job.info.group_id,
+                    task_id=job.info.task_id,
+                    metadata_json=job.metadata_json,
+                    rewards=job.info.rewards,
+                    status=job.info.status,
+                    num_turns=job.num_calls,
+                    num_samples=len(samples),
+                    num_breaks=breaks,
+                    created_at=job.created_at,
+                    sealed_at=job.sealed_at,
+                    policy_versions=sorted({t.policy_version for t in job.turns}),
+                )
+            ]
+        )
+        self.stats.samples_written += len(fresh)
+        self.stats.rollouts_written += 1

@@ -1,0 +1,1 @@
+"""The call: capture, sparse decoding, SSE relay, retries and rollout state."""

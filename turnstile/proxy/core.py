@@ -1,0 +1,580 @@
+"""The serving logic: forward a completion call to the backend, relay its answer, record it.
+
+`Proxy.complete` takes a client's raw request body, injects the recording fields,
+forwards it, and returns either a whole body (`Relay`) or an async iterator of SSE bytes
+(`StreamRelay`) that relays each backend event as it arrives. Every call ends in exactly
+one recorded turn per choice, with status `ok`, `aborted` (stream cut: backend died,
+client left, shutdown) or `error` (refused, unreachable, timed out). A turn is handed to
+the recorder before the client gets the end of the response (the JSON body or `[DONE]`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import orjson
+
+from turnstile.backends.protocol import ROLLOUT_AFFINITY, Backend, BackendResponse, read_error
+from turnstile.errors import (
+    BackendError,
+    BadRequest,
+    Overloaded,
+    TurnstileError,
+)
+from turnstile.journal.codec import Event, PolicyVersionSet, encode_event
+from turnstile.journal.wal import Journal, JournalError
+from turnstile.jsontext import json_text
+from turnstile.limits import MAX_OPEN_ROLLOUT_BYTES, MAX_ROLLOUT_BYTES
+from turnstile.output.recorder import Recorder, SealJob
+from turnstile.output.stitch import RolloutInfo
+from turnstile.proxy import sparse
+from turnstile.proxy.capture import (
+    CHAT,
+    CapturePlan,
+    ResponseCapture,
+    plan_request,
+    sampling_params,
+)
+from turnstile.proxy.capture import validate_request as validate
+from turnstile.proxy.retries import Answer, ReplayCache, is_retry, replay_key
+from turnstile.proxy.rollouts import Rollout, RolloutRegistry
+from turnstile.proxy.sse import DONE, SSEError, SSEEvent, SSEParser, encode_data
+from turnstile.records import Timings, TokenSource, TurnRecord, TurnStatus
+
+if TYPE_CHECKING:
+    from turnstile.tito.engine import TitoEngine
+
+log = logging.getLogger("turnstile.proxy")
+
+PATHS = {CHAT: "/v1/chat/completions", "completions": "/v1/completions"}
+_EMPTY_I32 = np.zeros(0, dtype=np.int32)
+_EMPTY_F32 = np.zeros(0, dtype=np.float32)
+_JSON = "application/json"
+
+
+@dataclass(frozen=True, slots=True)
+class Relay:
+    """A whole response body for the client."""
+
+    status: int
+    content_type: str
+    body: bytes
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class StreamRelay:
+    """A streamed response: bytes to send as they come."""
+
+    status: int
+    content_type: str
+    chunks: AsyncIterator[bytes]
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Call:
+    """One backend call in progress."""
+
+    turn_id: str
+    endpoint: str
+    rollout: Rollout
+    turn_index: int
+    policy_version: int
+    request: dict[str, Any]
+    plan: CapturePlan
+    received_at: float
+    t0: float
+    t_sent: float | None = None
+    t_first: float | None = None
+    done: bool = False
+    replay_key: str | None = None
+    seq: int = 0  # journal frame of the call's last record
+    journal_error: JournalError | None = None
+    served_by: str | None = None  # the backend of a pool that answered
+    failover_from: str | None = None  # the dead backend the rollout was moved from
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {
+            "X-Turnstile-Rollout": self.rollout.rollout_id,
+            "X-Turnstile-Turn": str(self.turn_index),
+        }
+
+
+def _json_or_none(value: Any) -> str | None:
+    return None if value is None else json_text(value)
+
+
+class Proxy:
+    def __init__(
+        self,
+        backend: Backend,
+        recorder: Recorder,
+        *,
+        top_logprobs: int,
+        policy_version: int,
+        idle_timeout_s: float,
+        max_rollout_bytes: int = MAX_ROLLOUT_BYTES,
+        max_open_rollout_bytes: int = MAX_OPEN_ROLLOUT_BYTES,
+    ) -> None:
+        self.backend = backend
+        self.recorder = recorder
+        self.top_logprobs = top_logprobs
+        self.policy_version = policy_version
+        self.journal: Journal | None = None  # opened at start-up (turnstile.server.app)
+        self.policy_seq = 0  # the journal frame holding the policy version (0: none)
+        self.journal_segments_removed = 0
+        self.registry = RolloutRegistry(
+            self._on_seal, idle_timeout_s, self.journal_event,
+            max_rollout_bytes=max_rollout_bytes, max_open_bytes=max_open_rollout_bytes,
+        )
+        self.draining = False
+        self.in_flight = 0
+        self.idle = asyncio.Event()  # set while no call is in flight
+        self.idle.set()
+        self.replays = ReplayCache()
+        self.tito: TitoEngine | None = None  # set in TITO mode (turnstile.server.app)
+
+    # -- durability -------------------------------------------------------------------
+    def journal_event(self, event: Event) -> int:
+        """Append an event to the journal; its sequence number (0 without a journal)."""
+        if self.journal is None:
+            return 0
+        kind, payload = encode_event(event)
+        return self.journal.append(kind, payload)
+
+    async def durable(self, seq: int | None = None) -> None:
+        """Wait until journal frame `seq` (default: the latest) is durable."""
+        if self.journal is None:
+            return
+        await self.journal.wait_durable(self.journal.last_seq if seq is None else seq)
+
+    async def set_policy_version(self, version: int) -> None:
+        """Make `version` the policy version of new turns, durably (it survives a crash)."""
+        seq = self.journal_event(PolicyVersionSet(version, time.time()))
+        self.policy_version, self.policy_seq = version, seq
+        await self.durable(seq)
+
+    def retention_floor(self) -> int:
+        """The oldest journal frame still needed: by an open rollout, by work the writer
+        has not published yet, or (past everything) the next frame to be appended."""
+        assert self.journal is not None
+        floors = [self.journal.last_seq + 1, self.registry.oldest_seq(), self.recorder.oldest_pin]
+        return min(f for f in floors if f is not None)
+
+    async def _acknowledge(self, call: _Call) -> None:
+        if call.journal_error is not None:
+            raise call.journal_error
+        await self.durable(call.seq)
+
+    # -- rollout hand-over -------------------------------------------------------------
+    def _on_seal(self, rollout: Rollout) -> None:
+        if self.tito is not None:
+            self.tito.forget(rollout.rollout_id)
+        self.hand_over(rollout)
+
+    def hand_over(
+        self, rollout: Rollout, *, skip_samples: frozenset[int] = frozenset(),
+        skip_rollout: bool = False,
+    ) -> None:
+        """Give a sealed rollout to the writer to stitch and publish."""
+        info = RolloutInfo(
+            rollout.rollout_id,
+            rollout.group_id,
+            rollout.task_id,
+            rollout.status,
+            list(rollout.rewards.values()),
+        )
+        self.recorder.submit_seal(
+            SealJob(
+                info=info,
+                metadata_json=_json_or_none(rollout.metadata),
+                turns=list(rollout.turns),
+                num_calls=rollout.num_turns,
+                created_at=rollout.created_at,
+                sealed_at=rollout.sealed_at or time.time(),
+                skip_samples=skip_samples,
+                skip_rollout=skip_rollout,
+            ),
+            pin=rollout.first_seq,
+        )
+
+    # -- completion calls ----------------------------------------------------------------
+    async def complete(
+        self,
+        endpoint: str,
+        raw: bytes,
+        *,
+        rollout_id: str | None,
+        policy_version: int | None = None,
+        idempotency_key: str | None = None,
+        retry_count: str | None = None,
+    ) -> Relay | StreamRelay:
+        received_at, t0 = time.time(), time.perf_counter()
+        key = replay_key(rollout_id, endpoint, raw, idempotency_key, retry_count)
+        if key is not None and is_retry(retry_count, idempotency_key):
+            answer = await self.replays.lookup(key)
+            if answer is not None:
+                log.info("replayed a retried call of rollout %s", rollout_id)
+                return _replay(answer)
+        try:
+            parsed = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+        body = validate(endpoint, parsed)
+        if self.draining:
+            raise Overloaded("Turnstile is shutting down", retry_after_s=5)
+        self.recorder.admit()
+        rollout, turn_index = self.registry.begin_turn(rollout_id)
+        request = dict(body)  # the client's request, before the recording fields are added
+        plan = plan_request(endpoint, body, self.top_logprobs)
+        call = _Call(
+            turn_id=uuid.uuid4().hex,
+            endpoint=endpoint,
+            rollout=rollout,
+            turn_index=turn_index,
+            policy_version=self.policy_version if policy_version is None else policy_version,
+            request=request,
+            plan=plan,
+            received_at=received_at,
+            t0=t0,
+        )
+        self.in_flight += 1
+        self.idle.clear()
+        if key is not None:
+            call.replay_key = key
+            self.replays.begin(key)
+        capture = ResponseCapture(plan)
+        try:
+            call.t_sent = time.perf_counter()
+            affinity = ROLLOUT_AFFINITY.set(rollout.rollout_id)  # a pool routes on it
+            try:
+                if self.tito is not None and endpoint == CHAT:  # token-in-token-out mode
+                    resp = await self.tito.request(rollout.rollout_id, body)
+                else:
+                    resp = await self.backend.request(
+                        "POST", PATHS[endpoint], orjson.dumps(body), {"Content-Type": _JSON}
+                    )
+            finally:
+                ROLLOUT_AFFINITY.reset(affinity)
+            call.served_by = getattr(resp, "served_by", None)  # set by turnstile.backends.pool
+            call.failover_from = getattr(resp, "failover_from", None)
+            if resp.status >= 400:
+                raise await read_error(resp)
+        except TurnstileError as exc:
+            self._finish(call, capture, TurnStatus.ERROR, exc.message, exc.status)
+            raise
+        except BaseException:
+            self._finish(call, capture, TurnStatus.ERROR, "request cancelled", 499)
+            raise
+        if plan.stream:
+            return StreamRelay(
+                resp.status,
+                resp.headers.get("Content-Type", "text/event-stream"),
+                self._relay_stream(call, capture, resp),
+                call.headers,
+            )
+        return await self._relay_whole(call, capture, resp)
+
+    async def _relay_whole(
+        self, call: _Call, capture: ResponseCapture, resp: BackendResponse
+    ) -> Relay:
+        try:
+            raw = await resp.read()
+        except TurnstileError as exc:
+            self._finish(call, capture, TurnStatus.ERROR, exc.message, exc.status)
+            raise
+        except BaseException:
+            self._finish(call, capture, TurnStatus.ABORTED, "request cancelled", 499)
+            raise
+        finally:
+            resp.close()
+        call.t_first = time.perf_counter()
+        body = None
+        if not call.plan.needs_strip:  # the bytes go out unchanged: decode what is recorded
+            try:
+                body = sparse.DECODER.decode(raw)
+            except sparse.DecodeError:
+                body = None  # unexpected shapes: the full decode below tells what is wrong
+        if body is not None:
+            capture.add_sparse(body)
+        else:
+            try:
+                obj = orjson.loads(raw)
+                if not isinstance(obj, dict):
+                    raise TypeError("response is not a JSON object")
+            except (orjson.JSONDecodeError, TypeError) as exc:
+                err = BackendError(f"the backend's response is not a JSON object: {exc}")
+                self._finish(call, capture, TurnStatus.ERROR, err.message, err.status)
+                raise err from None
+            capture.add(obj, chunk=False)
+            if call.plan.needs_strip:
+                call.plan.strip(obj)
+                raw = orjson.dumps(obj)
+        content_type = resp.headers.get("Content-Type", _JSON)
+        answer = Answer(resp.status, content_type, [raw], call.headers)
+        self._finish(call, capture, TurnStatus.OK, None, resp.status, answer)
+        await self._acknowledge(call)  # acknowledged means journaled
+        return Relay(resp.status, content_type, raw, call.headers)
+
+    async def _relay_stream(
+        self, call: _Call, capture: ResponseCapture, resp: BackendResponse
+    ) -> AsyncIterator[bytes]:
+        parser = SSEParser()
+        events = _EventRelay(call, capture)
+        kept: list[bytes] | None = [] if call.replay_key is not None else None
+        error: str | None = None
+        try:
+            async for chunk in resp.iter_chunks():
+                piece = events.relay(parser.feed(chunk))
+                if piece:
+                    if kept is not None:
+                        kept.append(piece)
+                    yield piece
+                if events.saw_done:
+                    break
+            else:
+                piece = events.relay(parser.finish())
+                if piece:
+                    if kept is not None:
+                        kept.append(piece)
+                    yield piece
+            if not events.saw_done:
+                error = "the backend closed the stream before [DONE]"
+        except (BackendError, SSEError) as exc:
+            error = str(exc)
+        finally:
+            resp.close()
+            saw_done, stream_error = events.saw_done, events.stream_error
+            if not call.done and not (saw_done or error):
+                # The client went away (or the server is stopping) mid-stream.
+                self._finish(call, capture, TurnStatus.ABORTED, "client disconnected", 499)
+        if saw_done and stream_error is None:
+            answer = None
+            if kept is not None:
+                kept.append(encode_data(DONE))
+                content_type = resp.headers.get("Content-Type", "text/event-stream")
+                answer = Answer(resp.status, content_type, kept, call.headers, stream=True)
+            self._finish(call, capture, TurnStatus.OK, None, resp.status, answer)
+            try:
+                await self._acknowledge(call)  # [DONE] means journaled
+            except JournalError as exc:
+                yield encode_data(exc.body_bytes())
+                return
+            yield encode_data(DONE)
+            return
+        if stream_error is not None and error is None:
+            self._finish(call, capture, TurnStatus.ERROR, stream_error, resp.status)
+            yield encode_data(DONE)
+            return
+        status = TurnStatus.ABORTED if capture.choices else TurnStatus.ERROR
+        self._finish(call, capture, status, error, 502)
+        log.warning(
+            "stream of rollout %s turn %d cut: %s",
+            call.rollout.rollout_id, call.turn_index, error,
+        )
+        err = BackendError(f"the backend stream failed: {error}")
+        yield encode_data(err.body_bytes())
+        yield encode_data(DONE)
+
+    # -- recording -------------------------------------------------------------------
+    def _finish(
+        self,
+        call: _Call,
+        capture: ResponseCapture,
+        status: TurnStatus,
+        error: str | None,
+        http_status: int,
+        answer: Answer | None = None,
+    ) -> None:
+        """Record the call's turns exactly once and release its rollout slot."""
+        if call.done:
+            return
+        call.done = True
+        if call.replay_key is not None:
+            self.replays.complete(call.replay_key, answer if status is TurnStatus.OK else None)
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self.idle.set()
+        records = self._records(call, capture, status, error, http_status)
+        first: int | None = None
+        try:
+            for record in records:
+                call.seq = self.journal_event(record)
+                first = first or call.seq or None
+        except JournalError as exc:  # not acknowledged; still recorded and released
+            call.journal_error = exc
+            log.error("journal append failed for rollout %s: %s", call.rollout.rollout_id, exc)
+        self.recorder.submit_turns(records, pin=first)
+        self.registry.end_turn(call.rollout, records)
+        from turnstile.server.metrics import observe_turns
+
+        observe_turns(self, records)
+
+    def _records(
+        self,
+        call: _Call,
+        capture: ResponseCapture,
+        status: TurnStatus,
+        error: str | None,
+        http_status: int,
+    ) -> list[TurnRecord]:
+        now = time.perf_counter()
+        timings = Timings(
+            received_at=call.received_at,
+            queue_s=(call.t_sent or now) - call.t0,
+            ttft_s=None if call.t_first is None or not call.plan.stream else call.t_first - call.t0,
+            total_s=now - call.t0,
+        )
+        req = call.request
+        is_chat = call.endpoint == CHAT
+        common: dict[str, Any] = dict(
+            turn_id=call.turn_id,
+            rollout_id=call.rollout.rollout_id,
+            group_id=call.rollout.group_id,
+            turn_index=call.turn_index,
+            endpoint=call.endpoint,
+            policy_version=call.policy_version,
+            status=status,
+            sampling_params_json=json_text(sampling_params(req)),
+            request_messages_json=_json_or_none(req.get("messages")) if is_chat else None,
+            request_tools_json=_json_or_none(req.get("tools")) if is_chat else None,
+            request_prompt_json=None if is_chat else _json_or_none(req.get("prompt")),
+            timings=timings,
+            http_status=http_status,
+            error=error,
+            backend=call.served_by,
+            backend_failover_from=call.failover_from,
+        )
+        model = capture.model or str(req.get("model") or "")
+        if not capture.choices:
+            return [
+                TurnRecord(
+                    choice_index=0, model=model, token_source=TokenSource.NONE,
+                    prompt_token_ids=_EMPTY_I32, completion_token_ids=_EMPTY_I32,
+                    behavior_logprobs=_EMPTY_F32, finish_reason=None, stop_reason=None,
+                    response_message_json=None, response_text=None, **common,
+                )
+            ]
+        records = []
+        for index in sorted(capture.choices):
+            cap = capture.choices[index]
+            prompt = capture.prompt_ids_for(cap)
+            ids, lps = cap.completion_arrays(call.plan.echo)
+            exact = prompt is not None and cap.saw_token_ids
+            top_ids, top_values = cap.top_k(len(ids), call.plan.echo)
+            records.append(
+                TurnRecord(
+                    choice_index=index,
+                    model=model,
+                    token_source=TokenSource.BACKEND if exact else TokenSource.NONE,
+                    prompt_token_ids=np.asarray(prompt or (), dtype=np.int32),
+                    completion_token_ids=ids,
+                    behavior_logprobs=lps,
+                    finish_reason=cap.finish_reason,
+                    stop_reason=cap.stop_reason,
+                    response_message_json=orjson.dumps(cap.message()).decode()
+                    if is_chat
+                    else None,
+                    response_text=None if is_chat else cap.text(),
+                    top_logprob_ids=top_ids,
+                    top_logprob_values=top_values,
+                    **common,
+                )
+            )
+        return records
+
+    # -- anything else ----------------------------------------------------------------
+    async def passthrough(
+        self, method: str, path: str, body: bytes | None, content_type: str | None
+    ) -> StreamRelay:
+        headers = {"Content-Type": content_type} if content_type else {}
+        resp = await self.backend.request(method, path, body, headers)
+        return StreamRelay(
+            resp.status,
+            resp.headers.get("Content-Type", _JSON),
+            _passthrough_chunks(resp),
+        )
+
+
+async def _passthrough_chunks(resp: BackendResponse) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in resp.iter_chunks():
+            yield chunk
+    finally:
+        resp.close()
+
+
+class _EventRelay:
+    """Records each SSE event of a stream and rewrites it for the client."""
+
+    __slots__ = ("call", "capture", "saw_done", "stream_error")
+
+    def __init__(self, call: _Call, capture: ResponseCapture) -> None:
+        self.call = call
+        self.capture = capture
+        self.saw_done = False
+        self.stream_error: str | None = None  # an error event sent by the backend itself
+
+    def relay(self, events: list[SSEEvent]) -> bytes:
+        """The bytes to send for `events` (stopping at `[DONE]`, which is sent later)."""
+        out: list[bytes] = []
+        plan, capture = self.call.plan, self.capture
+        for event in events:
+            data = event.data
+            if data is None:
+                out.append(event.raw)
+                continue
+            if data.strip() == DONE:
+                self.saw_done = True
+                break
+            try:
+                obj = orjson.loads(data)
+            except orjson.JSONDecodeError:
+                obj = None
+            if not isinstance(obj, dict):
+                out.append(event.raw)
+                continue
+            if "error" in obj and not obj.get("choices"):
+                self.stream_error = _error_message(obj)
+                out.append(event.raw)
+                continue
+            capture.add(obj, chunk=True)
+            if self.call.t_first is None and any(
+                c.token_ids or c.content for c in capture.choices.values()
+            ):
+                self.call.t_first = time.perf_counter()
+            if plan.needs_strip:
+                plan.strip(obj)
+                if not plan.carries_nothing(obj):
+                    out.append(encode_data(orjson.dumps(obj)))
+            else:
+                out.append(event.raw)
+        return b"".join(out)
+
+
+def _replay(answer: Answer) -> Relay | StreamRelay:
+    headers = {**answer.headers, "X-Turnstile-Replayed": "true"}
+    if not answer.stream:
+        return Relay(answer.status, answer.content_type, answer.chunks[0], headers)
+    return StreamRelay(answer.status, answer.content_type, _chunks_of(answer.chunks), headers)
+
+
+async def _chunks_of(chunks: list[bytes]) -> AsyncIterator[bytes]:
+    for chunk in chunks:
+        yield chunk
+
+
+def _error_message(obj: dict[str, Any]) -> str:
+    err = obj.get("error")
+    if isinstance(err, dict) and isinstance(err.get("message"), str):
+        return str(err["message"])
+    return str(err)

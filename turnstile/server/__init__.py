@@ -1,0 +1,1 @@
+"""The HTTP server: app assembly, lifecycle, workers, auth, metrics, logs and routes."""

@@ -1,0 +1,260 @@
+"""Assembles the server from settings: backend -> proxy -> recorder -> sink, and runs it.
+
+`create_app` takes optional fakes for the backend and the sink so unit tests can run the
+whole HTTP surface without a network or a disk. The lifespan starts the writer thread
+and the idle-rollout sweep; on shutdown it lets in-flight calls finish, seals open
+rollouts as `interrupted`, and publishes everything received before the process exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import orjson
+from fastapi import FastAPI
+
+from turnstile import __version__
+from turnstile.backends.factory import build_backend
+from turnstile.backends.pool import BackendPool
+from turnstile.backends.protocol import Backend, Timeouts
+from turnstile.errors import TurnstileError
+from turnstile.journal.recovery import JOURNAL_DIR, apply_recovery, recover
+from turnstile.journal.retention import retain_forever
+from turnstile.journal.wal import FileJournal, list_segments
+from turnstile.limits import ROLLOUT_SWEEP_INTERVAL_S, WRITER_JOIN_TIMEOUT_S
+from turnstile.output.objstore import ObjectStorePublisher, open_store
+from turnstile.output.recorder import Recorder
+from turnstile.output.shards import ParquetShardSink, Sink
+from turnstile.output.tokenizer import LocalTokenizer
+from turnstile.proxy.core import Proxy
+from turnstile.runtime import tune_gc
+from turnstile.server.auth import AuthMiddleware, RolloutKeys
+from turnstile.server.logs import RequestContext
+from turnstile.server.metrics import HTTPMetrics, add_metrics_route
+from turnstile.server.metrics import attach as attach_metrics
+from turnstile.server.routes.api import add_routes, install_error_handlers
+from turnstile.server.routes.completions import CompletionFastPath
+from turnstile.settings import Settings, SettingsError, resolve_secret
+
+if TYPE_CHECKING:
+    from turnstile.tito import TitoEngine
+from turnstile.server.workers import WorkerRouter, WorkerSpec, id_factory, peer_clients
+
+log = logging.getLogger("turnstile")
+
+# The start-up look at the backend's model list must not hold up start-up for long.
+MODEL_LIST_TIMEOUT_S = 5.0
+
+
+async def _model_identity(backend: Backend) -> str | None:
+    """The served model's id (and root path) from the backend's model list, if it answers."""
+    try:
+        async with asyncio.timeout(MODEL_LIST_TIMEOUT_S):
+            resp = await backend.request("GET", "/v1/models", None, {})
+            try:
+                body = await resp.read()
+            finally:
+                resp.close()
+        data = orjson.loads(body).get("data") or []
+    except (TurnstileError, TimeoutError, orjson.JSONDecodeError, AttributeError) as exc:
+        log.warning("could not read the backend's model list: %s", exc)
+        return None
+    names = [f"{m.get('id')}" + (f" ({m['root']})" if m.get("root") else "") for m in data]
+    return ", ".join(names) or None
+
+
+def _tito_engine(
+    settings: Settings, backend: Backend, tokenizer: LocalTokenizer | None
+) -> TitoEngine:
+    """TITO mode's engine; a template the audit refuses stops start-up with the reason."""
+    from turnstile.tito import TemplateRefused, build_engine
+
+    if tokenizer is None:  # settings require one in TITO mode
+        raise SettingsError("mode 'tito' needs a tokenizer directory")
+    try:
+        return build_engine(
+            backend,
+            tokenizer.hf,
+            template_path=settings.chat_template,
+            chat_template_kwargs=settings.chat_template_kwargs,
+            on_rewrite=settings.tito_on_rewrite,
+            apply_fixes=settings.tito_apply_fixes,
+            allow_unsafe=settings.allow_unsafe_template,
+            tool_parser=settings.tool_parser,
+            reasoning_parser=settings.reasoning_parser,
+        )
+    except TemplateRefused as exc:
+        raise SettingsError(f"TITO mode: {exc}") from None
+
+
+def create_app(
+    settings: Settings,
+    *,
+    backend: Backend | None = None,
+    sink: Sink | None = None,
+    worker: WorkerSpec | None = None,
+) -> FastAPI:
+    """The app; `worker` when this process is one of several (`turnstile.server.workers`)."""
+    tokenizer = LocalTokenizer(settings.tokenizer) if settings.tokenizer else None
+    timeouts = Timeouts(
+        settings.connect_timeout_s,
+        settings.first_byte_timeout_s,
+        settings.idle_timeout_s,
+        settings.total_timeout_s,
+    )
+    writer_id = settings.writer_id if worker is None else f"{settings.writer_id}-{worker.suffix}"
+    journal_dir = settings.output / JOURNAL_DIR
+    if worker is not None:
+        journal_dir = journal_dir / worker.suffix
+    if backend is None:  # one vLLM client, or the SGLang adapter, or a pool of them
+        backend = build_backend(settings, timeouts, tokenizer)
+    publisher = _publisher(settings, writer_id)
+    # The sink reads this mapping when it writes a shard; the model is filled in at start-up.
+    identity = {
+        "turnstile.version": __version__,
+        "turnstile.model": "",
+        "turnstile.backend": settings.backend,
+        "turnstile.tokenizer": str(settings.tokenizer or ""),
+    }
+    if sink is None:
+        sink = ParquetShardSink(
+            settings.output,
+            writer_id=writer_id,
+            identity=identity,
+            max_rows=settings.shard_max_rows,
+            max_age_s=settings.shard_max_age_s,
+            # With an object store this is only staging: the store holds the manifest.
+            manifest=publisher is None,
+        )
+    recorder = Recorder(sink, max_backlog=settings.recorder_queue_size, tokenizer=tokenizer)
+    proxy = Proxy(
+        backend,
+        recorder,
+        top_logprobs=settings.top_logprobs,
+        policy_version=settings.policy_version,
+        idle_timeout_s=settings.rollout_idle_timeout_s,
+        max_rollout_bytes=settings.max_rollout_bytes,
+        max_open_rollout_bytes=settings.max_open_rollout_bytes,
+    )
+    if settings.mode == "tito":
+        proxy.tito = _tito_engine(settings, backend, tokenizer)
+    peers: dict[int, Backend] = {}
+    if worker is not None:
+        proxy.registry.new_id = id_factory(worker.index, worker.count)
+        peers = peer_clients(worker, timeouts)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if isinstance(backend, BackendPool):
+            backend.start()  # health checks
+        if publisher is not None:
+            publisher.start()
+        model = await _model_identity(backend)
+        identity["turnstile.model"] = model or ""
+        journal = await asyncio.to_thread(
+            FileJournal, journal_dir, fsync=settings.fsync,
+            segment_bytes=settings.journal_segment_bytes,
+        )
+        recovered = await asyncio.to_thread(recover, journal, settings.output)
+        apply_recovery(
+            recovered, proxy, restore_open=settings.recover_open_rollouts == "restore"
+        )
+        proxy.journal = journal
+        recorder.start()
+        sweeper = asyncio.ensure_future(_sweep(proxy))
+        retainer = asyncio.ensure_future(
+            retain_forever(proxy, settings.journal_retention_interval_s)
+        )
+        log.info(
+            "turnstile %s recording %s -> %s (model: %s)",
+            __version__, settings.backend, settings.output, model or "unknown",
+        )
+        tune_gc()  # start-up garbage is done: keep the collector off the hot path
+        try:
+            yield
+        finally:
+            sweeper.cancel()
+            retainer.cancel()
+            await _drain(proxy, settings.drain_timeout_s)
+            sealed = proxy.registry.seal_all()
+            await backend.aclose()
+            for peer in peers.values():
+                await peer.aclose()
+            finished = await asyncio.to_thread(recorder.stop, WRITER_JOIN_TIMEOUT_S)
+            if publisher is not None:  # the last shards go to the store (or stay staged)
+                await asyncio.to_thread(publisher.stop)
+            await asyncio.to_thread(journal.close)
+            if finished and recorder.error is None:
+                # Everything journaled is published: the next start has nothing to replay.
+                for _, segment in list_segments(journal_dir):
+                    segment.unlink()
+            log.info(
+                "shut down: sealed %d open rollouts as interrupted; %d turns written%s",
+                sealed, recorder.stats.turns_written,
+                "" if finished else " (WRITER DID NOT FINISH IN TIME)",
+            )
+
+    app = FastAPI(
+        title="Turnstile",
+        version=__version__,
+        description="OpenAI-compatible recording reverse proxy for RL training.",
+        lifespan=lifespan,
+    )
+    app.state.proxy = proxy
+    app.state.publisher = publisher
+    client_keys = [k for k in map(resolve_secret, settings.api_key_env) if k]
+    admin_key = resolve_secret(settings.admin_api_key_env)
+    rollout_keys = RolloutKeys(client_keys) if client_keys else None
+    # Added first, so it runs inside authentication (the last added runs outermost).
+    app.add_middleware(
+        CompletionFastPath, proxy=proxy, max_body=settings.max_request_body_bytes
+    )
+    app.add_middleware(
+        AuthMiddleware,
+        client_keys=client_keys,
+        admin_keys=[admin_key] if admin_key else [],
+        rollout_keys=rollout_keys,
+    )
+    if worker is not None and worker.count > 1:  # added last: runs before everything
+        app.add_middleware(
+            WorkerRouter, spec=worker, peers=peers, max_body=settings.max_request_body_bytes
+        )
+    # Outermost: every request is counted and logged with its ids, whatever answers it.
+    metrics = attach_metrics(proxy, backend)
+    app.add_middleware(HTTPMetrics, metrics=metrics)
+    app.add_middleware(RequestContext)
+    install_error_handlers(app)
+    add_routes(app.router, proxy, settings.max_request_body_bytes, rollout_keys)
+    add_metrics_route(app, metrics)
+    return app
+
+
+def _publisher(settings: Settings, writer_id: str) -> ObjectStorePublisher | None:
+    """The uploader to `settings.output_uri`, when shards go to an object store."""
+    if settings.output_uri is None:
+        return None
+    fs, root = open_store(
+        settings.output_uri,
+        endpoint=settings.object_store_endpoint,
+        region=settings.object_store_region,
+    )
+    return ObjectStorePublisher(settings.output, fs, root, writer_id=writer_id)
+
+
+async def _sweep(proxy: Proxy) -> None:
+    while True:
+        await asyncio.sleep(ROLLOUT_SWEEP_INTERVAL_S)
+        for rollout in proxy.registry.sweep():
+            log.info("rollout %s sealed as abandoned after idling", rollout.rollout_id)
+
+
+async def _drain(proxy: Proxy, timeout_s: float) -> None:
+    proxy.draining = True
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(proxy.idle.wait(), timeout_s)
+    if proxy.in_flight:
+        log.warning("%d calls still in flight after the drain timeout", proxy.in_flight)

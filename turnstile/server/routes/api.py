@@ -1,0 +1,337 @@
+"""HTTP routes: the OpenAI-compatible surface, the rollout API and admin endpoints.
+
+Completion routes exist at `/v1/...` and under a rollout prefix
+`/rollouts/{rollout_id}/v1/...`; a rollout may also be named by the
+`X-Turnstile-Rollout` header. Other `/v1/*` paths and the vLLM helpers (`/tokenize`,
+`/detokenize`, `/version`) pass through to the backend. Errors are OpenAI-style bodies
+with the status of the `turnstile.errors` class that was raised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.responses import JSONResponse, Response
+from starlette.types import Message, Receive, Scope, Send
+
+from turnstile.errors import (
+    BadRequest,
+    NotFound,
+    TurnstileError,
+    Unprocessable,
+)
+from turnstile.jsontext import json_text
+from turnstile.proxy.capture import CHAT, COMPLETIONS
+from turnstile.proxy.core import Proxy, Relay, StreamRelay
+from turnstile.proxy.rollouts import check_rollout_id
+from turnstile.server import asgi
+from turnstile.server.auth import RolloutKeys
+
+log = logging.getLogger("turnstile.routes")
+
+ROLLOUT_HEADER = "x-turnstile-rollout"
+POLICY_HEADER = "x-turnstile-policy-version"
+# The vLLM routes outside /v1 that a harness or trainer may call through the proxy.
+PASSTHROUGH_EXTRA = ("/tokenize", "/detokenize", "/version")
+
+
+class StreamingRelayResponse(Response):
+    """Relays an async byte iterator, cancelling it as soon as the client disconnects.
+
+    The iterator is closed explicitly in every case, so the proxy's `finally` records the
+    turn and closes the upstream connection (which cancels the request in the backend).
+    """
+
+    def __init__(self, relay: StreamRelay) -> None:
+        # Not Response.__init__: that renders an empty body and sets Content-Length: 0.
+        self.status_code = relay.status
+        self.media_type = relay.content_type
+        self.background = None
+        headers = {"Content-Type": relay.content_type, **relay.headers}
+        if relay.content_type.startswith("text/event-stream"):
+            headers.setdefault("Cache-Control", "no-cache")
+            headers["X-Accel-Buffering"] = "no"
+        self.init_headers(headers)
+        self._chunks = relay.chunks
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        sender = asyncio.ensure_future(self._send_all(send))
+        watcher = asyncio.ensure_future(_wait_disconnect(receive))
+        try:
+            done, _ = await asyncio.wait({sender, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if sender not in done:
+                sender.cancel()
+            with contextlib.suppress(asyncio.CancelledError, OSError):
+                await sender
+        finally:
+            watcher.cancel()
+            aclose = getattr(self._chunks, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(Exception):
+                    await aclose()
+
+    async def _send_all(self, send: Send) -> None:
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        )
+        async for chunk in self._chunks:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while True:
+        message: Message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def error_response(exc: TurnstileError) -> Response:
+    return Response(
+        exc.body_bytes(),
+        status_code=exc.status,
+        media_type=getattr(exc, "content_type", "application/json"),
+        headers=exc.headers(),
+    )
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 before more than `limit` bytes are buffered."""
+    return await asgi.read_body(request.receive, request.headers.get("content-length"), limit)
+
+
+def _policy_header(request: Request) -> int | None:
+    value = request.headers.get(POLICY_HEADER)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise BadRequest(f"{POLICY_HEADER} must be an integer, got {value!r}") from None
+
+
+def _respond(result: Relay | StreamRelay) -> Response:
+    if isinstance(result, StreamRelay):
+        return StreamingRelayResponse(result)
+    return Response(
+        result.body,
+        status_code=result.status,
+        media_type=result.content_type,
+        headers=dict(result.headers),
+    )
+
+
+# -- request bodies of the rollout API -------------------------------------------------
+class CreateRollout(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    rollout_id: str | None = Field(default=None, description="choose the id (default: random)")
+    group_id: str | None = Field(default=None, description="GRPO group this rollout belongs to")
+    task_id: str | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class PostRewards(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    rewards: dict[str, float] = Field(default_factory=dict, description="name -> value")
+    info: dict[str, Any] = Field(
+        default_factory=dict, description="name -> verifier information (text or JSON)"
+    )
+
+
+class FinishRollout(PostRewards):
+    pass
+
+
+class PolicyVersion(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    policy_version: int
+
+
+def _info_text(info: dict[str, Any]) -> dict[str, str | None]:
+    """Verifier information as text: strings as given, anything else as JSON."""
+    return {k: v if isinstance(v, str) or v is None else json_text(v) for k, v in info.items()}
+
+
+def add_routes(
+    router: APIRouter, proxy: Proxy, max_body: int, rollout_keys: RolloutKeys | None = None
+) -> None:
+    """Add Turnstile's routes to `router` (the app's own, so the route table is flat)."""
+
+    async def completion(request: Request, endpoint: str, rollout_id: str | None) -> Response:
+        rid = rollout_id or request.headers.get(ROLLOUT_HEADER)
+        if rid is not None:
+            check_rollout_id(rid)
+        raw = await read_body(request, max_body)
+        result = await proxy.complete(
+            endpoint,
+            raw,
+            rollout_id=rid,
+            policy_version=_policy_header(request),
+            idempotency_key=request.headers.get("idempotency-key"),
+            retry_count=request.headers.get("x-stainless-retry-count"),
+        )
+        return _respond(result)
+
+    @router.post("/v1/chat/completions", tags=["openai"])
+    async def chat(request: Request) -> Response:
+        return await completion(request, CHAT, None)
+
+    @router.post("/v1/completions", tags=["openai"])
+    async def completions(request: Request) -> Response:
+        return await completion(request, COMPLETIONS, None)
+
+    @router.post("/rollouts/{rollout_id}/v1/chat/completions", tags=["openai"])
+    async def rollout_chat(request: Request, rollout_id: str) -> Response:
+        return await completion(request, CHAT, rollout_id)
+
+    @router.post("/rollouts/{rollout_id}/v1/completions", tags=["openai"])
+    async def rollout_completions(request: Request, rollout_id: str) -> Response:
+        return await completion(request, COMPLETIONS, rollout_id)
+
+    @router.get("/health", tags=["admin"])
+    async def health() -> Response:
+        recorder = proxy.recorder
+        journal_ok = proxy.journal is None or proxy.journal.healthy
+        ok = recorder.healthy and journal_ok and not proxy.draining
+        body = {
+            "status": "ok" if ok else ("draining" if proxy.draining else "unhealthy"),
+            "recorder": {"healthy": recorder.healthy, "error": recorder.error,
+                         "backlog": recorder.backlog},
+            "journal": {"healthy": journal_ok, **_journal_usage(proxy)},
+            "open_rollouts": proxy.registry.open_count,
+        }
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @router.get("/stats", tags=["admin"])
+    async def stats() -> dict[str, Any]:
+        s = proxy.recorder.stats
+        return {
+            "turns_received": s.turns_received,
+            "turns_written": s.turns_written,
+            "samples_written": s.samples_written,
+            "rollouts_written": s.rollouts_written,
+            "retokenized_turns": s.retokenized_turns,
+            "dropped": s.dropped,
+            "breaks_by_kind": dict(s.breaks_by_kind),
+            "open_rollouts": proxy.registry.open_count,
+            "open_rollout_bytes": proxy.registry.held_bytes,
+            "in_flight": proxy.in_flight,
+            "backlog": proxy.recorder.backlog,
+            "policy_version": proxy.policy_version,
+            "journal": _journal_usage(proxy),
+            "mode": "record" if proxy.tito is None else "tito",
+            "tito": None if proxy.tito is None else proxy.tito.stats(),
+        }
+
+    @router.post("/rollouts", status_code=201, tags=["rollouts"])
+    async def create_rollout(request: Request, body: CreateRollout | None = None) -> Any:
+        body = body or CreateRollout()
+        rollout = proxy.registry.create(
+            body.rollout_id, group_id=body.group_id, task_id=body.task_id, metadata=body.metadata
+        )
+        base = str(request.base_url).rstrip("/")
+        out = rollout.summary()
+        out["base_url"] = f"{base}/rollouts/{rollout.rollout_id}/v1"
+        # A key for this rollout only (when keys are required): hand it to the harness.
+        out["api_key"] = rollout_keys.mint(rollout.rollout_id) if rollout_keys else None
+        return out
+
+    @router.get("/rollouts/{rollout_id}", tags=["rollouts"])
+    async def get_rollout(rollout_id: str) -> Any:
+        return proxy.registry.get(check_rollout_id(rollout_id)).summary()
+
+    @router.post("/rollouts/{rollout_id}/rewards", tags=["rollouts"])
+    async def post_rewards(rollout_id: str, body: PostRewards) -> Any:
+        if not body.rewards and not body.info:
+            raise Unprocessable("give at least one reward in 'rewards'", param="rewards")
+        rollout = proxy.registry.add_rewards(
+            check_rollout_id(rollout_id), body.rewards, _info_text(body.info)
+        )
+        return rollout.summary()
+
+    @router.post("/rollouts/{rollout_id}/finish", tags=["rollouts"])
+    async def finish_rollout(rollout_id: str, body: FinishRollout | None = None) -> Any:
+        rid = check_rollout_id(rollout_id)
+        if body is not None and (body.rewards or body.info):
+            proxy.registry.add_rewards(rid, body.rewards, _info_text(body.info))
+        return proxy.registry.finish(rid).summary()
+
+    @router.get("/admin/policy_version", tags=["admin"])
+    async def get_policy_version() -> dict[str, int]:
+        return {"policy_version": proxy.policy_version}
+
+    @router.post("/admin/policy_version", tags=["admin"])
+    async def set_policy_version(body: PolicyVersion) -> dict[str, int]:
+        await proxy.set_policy_version(body.policy_version)
+        log.info("policy version set to %d", body.policy_version)
+        return {"policy_version": proxy.policy_version}
+
+    async def passthrough(request: Request) -> Response:
+        body = await read_body(request, max_body) if request.method != "GET" else None
+        path = request.url.path
+        if request.url.query:
+            path += "?" + request.url.query
+        result = await proxy.passthrough(
+            request.method, path, body, request.headers.get("content-type")
+        )
+        return StreamingRelayResponse(result)
+
+    passthrough_routes: list[tuple[str, tuple[str, ...], str]] = [
+        ("/v1/{rest:path}", ("GET", "POST", "DELETE"), "openai")
+    ]
+    passthrough_routes += [(extra, ("GET", "POST"), "vllm") for extra in PASSTHROUGH_EXTRA]
+    for path, methods, tag in passthrough_routes:
+        for method in methods:
+            slug = path.strip("/").split("/")[0]
+            router.add_api_route(
+                path, passthrough, methods=[method], tags=[tag],
+                operation_id=f"passthrough_{slug}_{method.lower()}",
+                summary=f"{method} passed through to the backend",
+            )
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(TurnstileError)
+    async def _turnstile_error(request: Request, exc: TurnstileError) -> Response:
+        if exc.status >= 500:
+            log.warning("%s %s -> %d: %s", request.method, request.url.path, exc.status,
+                        exc.message)
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors()
+        )
+        return error_response(Unprocessable(f"invalid request: {problems}"))
+
+    @app.exception_handler(404)
+    async def _not_found(request: Request, exc: Exception) -> Response:
+        return error_response(NotFound(f"no route {request.method} {request.url.path}"))
+
+    @app.exception_handler(405)
+    async def _not_allowed(request: Request, exc: Exception) -> Response:
+        err = TurnstileError(f"method {request.method} not allowed on {request.url.path}")
+        err.status = 405
+        err.error_type = "invalid_request_error"
+        return error_response(err)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> Response:
+        log.exception("unexpected error on %s %s", request.method, request.url.path)
+        return error_response(TurnstileError("internal error in Turnstile"))
+
+
+def _journal_usage(proxy: Proxy) -> dict[str, int]:
+    """Segments kept, their bytes, and segments removed once published (this run)."""
+    segments = proxy.journal.segments() if proxy.journal is not None else []
+    return {
+        "segments": len(segments),
+        "bytes": sum(s.size_bytes for s in segments),
+        "segments_removed": proxy.journal_segments_removed,
+    }

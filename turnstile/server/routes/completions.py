@@ -1,0 +1,110 @@
+"""The completion routes as a plain ASGI app, in front of FastAPI.
+
+Chat and completions calls are the proxy's hot path: every one of them would otherwise
+cross FastAPI's and Starlette's layers (exception middleware, async exit stacks, route
+matching over the whole table, a `Request` object, dependency resolution), which cost
+more CPU than forwarding the call itself. `CompletionFastPath` answers exactly these
+four routes, the same way and with the same errors as the FastAPI routes declared in
+`turnstile.server.routes.api` (which stay for the OpenAPI schema and as the fallback), and passes
+everything else on. It sits inside the authentication middleware.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Final
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from turnstile.errors import BadRequest, TurnstileError
+from turnstile.proxy.capture import CHAT, COMPLETIONS
+from turnstile.proxy.core import Proxy, Relay, StreamRelay
+from turnstile.proxy.rollouts import check_rollout_id
+from turnstile.server.asgi import read_body, send_error
+from turnstile.server.routes.api import POLICY_HEADER, ROLLOUT_HEADER, StreamingRelayResponse
+
+log = logging.getLogger("turnstile.fastpath")
+
+_ROUTE: Final[re.Pattern[str]] = re.compile(
+    r"^(?:/rollouts/(?P<rid>[^/]+))?/v1/(?P<ep>chat/completions|completions)$"
+)
+_ENDPOINTS: Final[dict[str, str]] = {"chat/completions": CHAT, "completions": COMPLETIONS}
+_ROLLOUT: Final[bytes] = ROLLOUT_HEADER.encode()
+_POLICY: Final[bytes] = POLICY_HEADER.encode()
+_IDEMPOTENCY: Final[bytes] = b"idempotency-key"
+_RETRY: Final[bytes] = b"x-stainless-retry-count"
+_LENGTH: Final[bytes] = b"content-length"
+
+
+class CompletionFastPath:
+    """Serves POST chat/completions calls directly; everything else goes to `app`."""
+
+    def __init__(self, app: ASGIApp, proxy: Proxy, max_body: int) -> None:
+        self.app = app
+        self.proxy = proxy
+        self.max_body = max_body
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        match = None
+        if scope["type"] == "http" and scope["method"] == "POST":
+            match = _ROUTE.match(scope["path"])
+        if match is None:
+            await self.app(scope, receive, send)
+            return
+        try:
+            result = await self._complete(scope, receive, _ENDPOINTS[match["ep"]], match["rid"])
+        except TurnstileError as exc:
+            if exc.status >= 500:
+                log.warning("POST %s -> %d: %s", scope["path"], exc.status, exc.message)
+            await send_error(send, exc)
+            return
+        except Exception:
+            log.exception("unexpected error on POST %s", scope["path"])
+            await send_error(send, TurnstileError("internal error in Turnstile"))
+            return
+        if isinstance(result, StreamRelay):
+            await StreamingRelayResponse(result)(scope, receive, send)
+            return
+        headers = [(b"content-type", result.content_type.encode("latin-1")),
+                   (b"content-length", str(len(result.body)).encode())]
+        headers += [(k.lower().encode("latin-1"), v.encode("latin-1"))
+                    for k, v in result.headers.items()]
+        await send({"type": "http.response.start", "status": result.status, "headers": headers})
+        await send({"type": "http.response.body", "body": result.body})
+
+    async def _complete(
+        self, scope: Scope, receive: Receive, endpoint: str, rollout_id: str | None
+    ) -> Relay | StreamRelay:
+        found: dict[bytes, bytes] = {}
+        for name, value in scope["headers"]:
+            if name in (_ROLLOUT, _POLICY, _IDEMPOTENCY, _RETRY, _LENGTH):
+                found.setdefault(name, value)
+        rid = rollout_id
+        if rid is None and _ROLLOUT in found:
+            rid = found[_ROLLOUT].decode("latin-1")
+        if rid is not None:
+            check_rollout_id(rid)
+        raw = await read_body(receive, found.get(_LENGTH), self.max_body)
+        policy = found.get(_POLICY)
+        return await self.proxy.complete(
+            endpoint,
+            raw,
+            rollout_id=rid,
+            policy_version=_policy_version(policy),
+            idempotency_key=_text(found.get(_IDEMPOTENCY)),
+            retry_count=_text(found.get(_RETRY)),
+        )
+
+
+def _text(value: bytes | None) -> str | None:
+    return None if value is None else value.decode("latin-1")
+
+
+def _policy_version(value: bytes | None) -> int | None:
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise BadRequest(f"{POLICY_HEADER} must be an integer, got {_text(value)!r}") from None
