@@ -26,11 +26,15 @@ def create_rollout(**fields: Any) -> dict[str, Any]:
     return dict(resp.json())
 
 
-def reward_and_finish(rollout_id: str, rewards: dict[str, float],
-                      info: dict[str, Any] | None = None) -> dict[str, Any]:
+def reward_and_finish(
+    rollout_id: str, rewards: dict[str, float], info: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Post the verifier's rewards, then seal the rollout so it is stitched and written."""
-    resp = httpx.post(f"{TURNSTILE_URL}/rollouts/{rollout_id}/rewards",
-                      json={"rewards": rewards, "info": info or {}}, timeout=API_TIMEOUT_S)
+    resp = httpx.post(
+        f"{TURNSTILE_URL}/rollouts/{rollout_id}/rewards",
+        json={"rewards": rewards, "info": info or {}},
+        timeout=API_TIMEOUT_S,
+    )
     resp.raise_for_status()
     resp = httpx.post(f"{TURNSTILE_URL}/rollouts/{rollout_id}/finish", timeout=API_TIMEOUT_S)
     resp.raise_for_status()

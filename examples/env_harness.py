@@ -16,6 +16,8 @@ MAX_TOKENS = int(os.environ.get("TURNSTILE_EXAMPLE_MAX_TOKENS", "24"))
 
 client = openai.OpenAI()  # OPENAI_BASE_URL, OPENAI_API_KEY
 reply = client.chat.completions.create(
-    model=MODEL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=MAX_TOKENS,
+    model=MODEL,
+    messages=[{"role": "user", "content": "Say hello."}],
+    max_tokens=MAX_TOKENS,
 )
 print(reply.choices[0].message.content)

@@ -32,8 +32,14 @@ def multiply(a: int, b: int) -> int:
 
 
 def build_agent(base_url: str, api_key: str) -> Any:
-    llm = ChatOpenAI(model=MODEL, base_url=base_url, api_key=api_key,
-                     max_tokens=MAX_TOKENS, temperature=1.0, max_retries=0)
+    llm = ChatOpenAI(
+        model=MODEL,
+        base_url=base_url,
+        api_key=api_key,
+        max_tokens=MAX_TOKENS,
+        temperature=1.0,
+        max_retries=0,
+    )
     model = llm.bind_tools([multiply])
 
     def agent(state: MessagesState) -> dict[str, list[AIMessage]]:
@@ -49,20 +55,25 @@ def build_agent(base_url: str, api_key: str) -> Any:
 
 
 def main() -> None:
-    rollout = create_rollout(group_id="langgraph-demo", task_id="multiply",
-                             metadata={"harness": "langgraph"})
+    rollout = create_rollout(
+        group_id="langgraph-demo", task_id="multiply", metadata={"harness": "langgraph"}
+    )
     agent = build_agent(rollout["base_url"], rollout["api_key"] or "unused")
     result = agent.invoke(
-        {"messages": [HumanMessage(QUESTION)]}, {"recursion_limit": MAX_AGENT_STEPS},
+        {"messages": [HumanMessage(QUESTION)]},
+        {"recursion_limit": MAX_AGENT_STEPS},
     )
     messages = result["messages"]
     tool_calls = sum(len(getattr(m, "tool_calls", []) or []) for m in messages)
     final = str(messages[-1].content)
     rewards = {"correct": float("391" in final), "used_tool": float(tool_calls > 0)}
-    summary = reward_and_finish(rollout["rollout_id"], rewards,
-                                {"correct": f"final answer: {final[:200]!r}"})
-    print(f"rollout {rollout['rollout_id']}: {len(messages)} messages, {tool_calls} tool "
-          f"calls, {summary['status']}, rewards {summary['rewards']}")
+    summary = reward_and_finish(
+        rollout["rollout_id"], rewards, {"correct": f"final answer: {final[:200]!r}"}
+    )
+    print(
+        f"rollout {rollout['rollout_id']}: {len(messages)} messages, {tool_calls} tool "
+        f"calls, {summary['status']}, rewards {summary['rewards']}"
+    )
 
 
 if __name__ == "__main__":

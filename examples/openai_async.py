@@ -1,6 +1,6 @@
 """The `openai` client, asynchronous: a GRPO-style group of rollouts sampled concurrently.
 
-    python examples/openai_async.py
+python examples/openai_async.py
 """
 
 from __future__ import annotations
@@ -15,12 +15,16 @@ PROMPT = "Name a prime number between 10 and 20."
 
 
 async def one_rollout(index: int) -> str:
-    rollout = await asyncio.to_thread(create_rollout, group_id="async-demo", task_id="primes",
-                                      metadata={"member": index})
-    client = openai.AsyncOpenAI(base_url=rollout["base_url"],
-                                api_key=rollout["api_key"] or "unused")
+    rollout = await asyncio.to_thread(
+        create_rollout, group_id="async-demo", task_id="primes", metadata={"member": index}
+    )
+    client = openai.AsyncOpenAI(
+        base_url=rollout["base_url"], api_key=rollout["api_key"] or "unused"
+    )
     reply = await client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=MAX_TOKENS,
+        model=MODEL,
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=MAX_TOKENS,
         temperature=1.0,
     )
     text = reply.choices[0].message.content or ""

@@ -1,6 +1,6 @@
 """The `openai` client with `stream=True`: tokens are relayed as they come and recorded.
 
-    python examples/openai_streaming.py
+python examples/openai_streaming.py
 """
 
 from __future__ import annotations
@@ -13,8 +13,10 @@ def main() -> None:
     rollout = create_rollout(group_id="stream-demo")
     client = openai.OpenAI(base_url=rollout["base_url"], api_key=rollout["api_key"] or "unused")
     stream = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Write a haiku about tokens."}],
-        max_tokens=MAX_TOKENS, stream=True,
+        model=MODEL,
+        messages=[{"role": "user", "content": "Write a haiku about tokens."}],
+        max_tokens=MAX_TOKENS,
+        stream=True,
     )
     pieces = []
     for chunk in stream:

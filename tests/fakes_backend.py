@@ -101,11 +101,17 @@ class FakeVLLM:
         self.requests.append((method, path, parsed, dict(headers)))
         if path == "/v1/models":
             data = {"object": "list", "data": [{"id": "fake-model", "root": "/models/fake"}]}
-            return self._keep(FakeResponse(200, {"Content-Type": "application/json"},
-                                           [orjson.dumps(data)]))
+            return self._keep(
+                FakeResponse(200, {"Content-Type": "application/json"}, [orjson.dumps(data)])
+            )
         if path not in ("/v1/chat/completions", "/v1/completions"):
-            return self._keep(FakeResponse(200, {"Content-Type": "application/json"},
-                                           [orjson.dumps({"path": path, "method": method})]))
+            return self._keep(
+                FakeResponse(
+                    200,
+                    {"Content-Type": "application/json"},
+                    [orjson.dumps({"path": path, "method": method})],
+                )
+            )
         assert parsed is not None
         reply = self.script(parsed)
         if reply.fail == "unreachable":
@@ -114,11 +120,18 @@ class FakeVLLM:
             raise BackendTimeout(f"backend {self.base_url} did not answer within 1 s")
         if reply.status >= 400:
             body_bytes = reply.error_body or orjson.dumps(
-                {"error": {"message": "bad thing", "type": "BadRequestError",
-                           "param": None, "code": reply.status}}
+                {
+                    "error": {
+                        "message": "bad thing",
+                        "type": "BadRequestError",
+                        "param": None,
+                        "code": reply.status,
+                    }
+                }
             )
-            return self._keep(FakeResponse(reply.status, {"Content-Type": "application/json"},
-                                           [body_bytes]))
+            return self._keep(
+                FakeResponse(reply.status, {"Content-Type": "application/json"}, [body_bytes])
+            )
         chat = path == "/v1/chat/completions"
         if chat:
             prompt_text = render(parsed["messages"])
@@ -128,14 +141,22 @@ class FakeVLLM:
         n = int(parsed.get("n") or 1)
         if parsed.get("stream"):
             events = self._stream(parsed, reply, prompt_text, n, chat)
-            return self._keep(FakeResponse(
-                200, {"Content-Type": "text/event-stream; charset=utf-8"}, events,
-                die_after=reply.die_after_events, delay_s=reply.event_delay_s,
-            ))
-        return self._keep(FakeResponse(
-            200, {"Content-Type": "application/json"},
-            [orjson.dumps(self._whole(parsed, reply, prompt_text, n, chat))],
-        ))
+            return self._keep(
+                FakeResponse(
+                    200,
+                    {"Content-Type": "text/event-stream; charset=utf-8"},
+                    events,
+                    die_after=reply.die_after_events,
+                    delay_s=reply.event_delay_s,
+                )
+            )
+        return self._keep(
+            FakeResponse(
+                200,
+                {"Content-Type": "application/json"},
+                [orjson.dumps(self._whole(parsed, reply, prompt_text, n, chat))],
+            )
+        )
 
     async def aclose(self) -> None:
         self.closed = True
@@ -157,36 +178,59 @@ class FakeVLLM:
         for c in range(n):
             ids = self.completion_ids(reply, c)
             text = "".join(map(chr, ids[:-1]))
-            choice: dict[str, Any] = {"index": c, "finish_reason": reply.finish_reason,
-                                      "stop_reason": None}
+            choice: dict[str, Any] = {
+                "index": c,
+                "finish_reason": reply.finish_reason,
+                "stop_reason": None,
+            }
             if chat:
-                message: dict[str, Any] = {"role": "assistant", "content": text,
-                                           "reasoning": None, "tool_calls": []}
+                message: dict[str, Any] = {
+                    "role": "assistant",
+                    "content": text,
+                    "reasoning": None,
+                    "tool_calls": [],
+                }
                 if reply.tool_calls:
                     message["tool_calls"] = reply.tool_calls
                 choice["message"] = message
                 choice["logprobs"] = (
-                    {"content": [{"token": chr(t), "logprob": logprob(i), "bytes": [t],
-                                  "top_logprobs": self._tops_chat(body, t, i)}
-                                 for i, t in enumerate(ids)]}
-                    if body.get("logprobs") else None
+                    {
+                        "content": [
+                            {
+                                "token": chr(t),
+                                "logprob": logprob(i),
+                                "bytes": [t],
+                                "top_logprobs": self._tops_chat(body, t, i),
+                            }
+                            for i, t in enumerate(ids)
+                        ]
+                    }
+                    if body.get("logprobs")
+                    else None
                 )
             else:
                 choice["text"] = text
                 choice["logprobs"] = (
-                    {"text_offset": list(range(len(ids))),
-                     "token_logprobs": [logprob(i) for i in range(len(ids))],
-                     "tokens": [chr(t) for t in ids],
-                     "top_logprobs": [self._tops_completion(body, t, i)
-                                      for i, t in enumerate(ids)]}
-                    if body.get("logprobs") is not None else None
+                    {
+                        "text_offset": list(range(len(ids))),
+                        "token_logprobs": [logprob(i) for i in range(len(ids))],
+                        "tokens": [chr(t) for t in ids],
+                        "top_logprobs": [
+                            self._tops_completion(body, t, i) for i, t in enumerate(ids)
+                        ],
+                    }
+                    if body.get("logprobs") is not None
+                    else None
                 )
                 choice["prompt_token_ids"] = ids_of(prompt_text) if want_ids else None
             choice["token_ids"] = ids if want_ids else None
             choices.append(choice)
         out: dict[str, Any] = {
-            "id": "chatcmpl-fake", "object": "chat.completion" if chat else "text_completion",
-            "created": 1, "model": body.get("model", "fake-model"), "choices": choices,
+            "id": "chatcmpl-fake",
+            "object": "chat.completion" if chat else "text_completion",
+            "created": 1,
+            "model": body.get("model", "fake-model"),
+            "choices": choices,
             "usage": {"prompt_tokens": len(prompt_text), "completion_tokens": 0},
         }
         if chat:
@@ -213,12 +257,25 @@ class FakeVLLM:
         whole = self._whole(body, reply, prompt_text, n, chat)
         want_ids = body.get("return_token_ids") and not reply.no_token_ids
         events: list[dict[str, Any]] = []
-        head: dict[str, Any] = {"id": "chatcmpl-fake", "object": "chat.completion.chunk",
-                                "model": whole["model"], "choices": []}
+        head: dict[str, Any] = {
+            "id": "chatcmpl-fake",
+            "object": "chat.completion.chunk",
+            "model": whole["model"],
+            "choices": [],
+        }
         if chat:
-            first = dict(head, choices=[
-                {"index": c, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                 "finish_reason": None} for c in range(n)])
+            first = dict(
+                head,
+                choices=[
+                    {
+                        "index": c,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                    for c in range(n)
+                ],
+            )
             first["prompt_token_ids"] = whole["prompt_token_ids"]  # null unless asked
             events.append(first)
         for c, choice in enumerate(whole["choices"]):
@@ -226,8 +283,10 @@ class FakeVLLM:
             for i, t in enumerate(ids):
                 last = i == len(ids) - 1
                 piece = "" if t == EOT else chr(t)
-                ch: dict[str, Any] = {"index": c, "finish_reason":
-                                      reply.finish_reason if last else None}
+                ch: dict[str, Any] = {
+                    "index": c,
+                    "finish_reason": reply.finish_reason if last else None,
+                }
                 if chat:
                     ch["delta"] = {"content": piece}
                     lp = choice["logprobs"]
@@ -236,9 +295,14 @@ class FakeVLLM:
                     ch["text"] = piece
                     lp = choice["logprobs"]
                     ch["logprobs"] = (
-                        {"text_offset": [i], "token_logprobs": [lp["token_logprobs"][i]],
-                         "tokens": [lp["tokens"][i]], "top_logprobs": [lp["top_logprobs"][i]]}
-                        if lp else None
+                        {
+                            "text_offset": [i],
+                            "token_logprobs": [lp["token_logprobs"][i]],
+                            "tokens": [lp["tokens"][i]],
+                            "top_logprobs": [lp["top_logprobs"][i]],
+                        }
+                        if lp
+                        else None
                     )
                     ch["prompt_token_ids"] = choice["prompt_token_ids"] if i == 0 else None
                 ch["token_ids"] = [t] if want_ids else None  # vLLM writes null

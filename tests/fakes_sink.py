@@ -78,11 +78,16 @@ class InMemorySink:
             self.closed = True
 
     def progress(self) -> SinkProgress:
-        settled = {"turns": len(self.turns), "samples": len(self.samples),
-                   "rollouts": len(self.rollouts)}
-        accepted = {"turns": settled["turns"] + len(self.pending_turns),
-                    "samples": settled["samples"] + len(self.pending_samples),
-                    "rollouts": settled["rollouts"] + len(self.pending_rollouts)}
+        settled = {
+            "turns": len(self.turns),
+            "samples": len(self.samples),
+            "rollouts": len(self.rollouts),
+        }
+        accepted = {
+            "turns": settled["turns"] + len(self.pending_turns),
+            "samples": settled["samples"] + len(self.pending_samples),
+            "rollouts": settled["rollouts"] + len(self.pending_rollouts),
+        }
         return SinkProgress(accepted, settled)
 
     def tables(self) -> dict[str, pa.Table]:

@@ -68,13 +68,20 @@ class LiveServer:
 class TurnstileServer(LiveServer):
     """Turnstile in front of `backend_url`, recording to `output`."""
 
-    def __init__(self, backend_url: str, output: Path, tokenizer: Path | None,
-                 **overrides: Any) -> None:
+    def __init__(
+        self, backend_url: str, output: Path, tokenizer: Path | None, **overrides: Any
+    ) -> None:
         port = free_port()
         settings = load_settings(
             None,
-            {"backends": [backend_url], "output": output, "port": port,
-             "tokenizer": tokenizer, "shard_max_age_s": 1.0, **overrides},
+            {
+                "backends": [backend_url],
+                "output": output,
+                "port": port,
+                "tokenizer": tokenizer,
+                "shard_max_age_s": 1.0,
+                **overrides,
+            },
             environ={},
         )
         super().__init__(create_app(settings), port)

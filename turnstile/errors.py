@@ -32,9 +32,7 @@ class TurnstileError(Exception):
     status: int = 500
     error_type: str = "internal_error"
 
-    def __init__(
-        self, message: str, *, param: str | None = None, code: str | None = None
-    ) -> None:
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param

@@ -75,6 +75,7 @@ def read_manifests(fs: pafs.FileSystem, root: str) -> list[dict[str, Any]]:
         out.append(manifest)
     return out
 
+
 # Which columns the policy-version and status filters apply to, per table.
 _VERSION_RANGE: Final[Mapping[TableName, tuple[str, str]]] = {
     "turns": ("policy_version", "policy_version"),
@@ -188,8 +189,14 @@ class ShardReader:
         self.roots: list[Path] = []
         for p in paths:
             if filesystem is not None:  # a path inside it (a URI's scheme is dropped)
-                self.remotes.append((filesystem, str(p).partition("://")[2].rstrip("/")
-                                     if "://" in str(p) else str(p).rstrip("/")))
+                self.remotes.append(
+                    (
+                        filesystem,
+                        str(p).partition("://")[2].rstrip("/")
+                        if "://" in str(p)
+                        else str(p).rstrip("/"),
+                    )
+                )
             elif isinstance(p, str) and "://" in p and not p.startswith("file://"):
                 self.remotes.append(open_uri(p))
             else:
@@ -204,12 +211,14 @@ class ShardReader:
         """Committed shards of `table` in each object-store root, version-checked."""
         out = []
         for n, (fs, root) in enumerate(self.remotes):
-            names = sorted({
-                entry["name"]
-                for manifest in read_manifests(fs, root)
-                for entry in manifest.get("shards", ())
-                if entry.get("table") == table
-            })
+            names = sorted(
+                {
+                    entry["name"]
+                    for manifest in read_manifests(fs, root)
+                    for entry in manifest.get("shards", ())
+                    if entry.get("table") == table
+                }
+            )
             paths = [f"{root}/{table}/{name}" for name in names]
             for path in paths:
                 if (n, path) not in self._remote_checked:

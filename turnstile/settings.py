@@ -127,9 +127,7 @@ class Settings(BaseModel):
     # once every frame in them is in a published shard (checked every
     # journal_retention_interval_s).
     journal_segment_bytes: int = Field(default=DEFAULT_SEGMENT_BYTES, gt=0)
-    journal_retention_interval_s: float = Field(
-        default=limits.JOURNAL_RETENTION_INTERVAL_S, gt=0
-    )
+    journal_retention_interval_s: float = Field(default=limits.JOURNAL_RETENTION_INTERVAL_S, gt=0)
     recorder_queue_size: int = Field(default=limits.RECORDER_QUEUE_SIZE, gt=0)
     shard_max_rows: int = Field(default=limits.SHARD_MAX_ROWS, gt=0)
     shard_max_age_s: float = Field(default=limits.SHARD_MAX_AGE_S, gt=0)
@@ -194,9 +192,7 @@ class Settings(BaseModel):
 
     @field_validator("model_backends")
     @classmethod
-    def _check_model_backends(
-        cls, value: dict[str, tuple[str, ...]]
-    ) -> dict[str, tuple[str, ...]]:
+    def _check_model_backends(cls, value: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
         for model, urls in value.items():
             if not urls:
                 raise ValueError(f"model {model!r} has no backends")

@@ -108,8 +108,9 @@ class Curve:
 
 def _http(method: str, url: str, body: Any = None) -> Any:
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url, data=data, method=method, headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=HTTP_TIMEOUT_S) as response:
         raw = response.read()
     return json.loads(raw) if raw else None
@@ -141,10 +142,17 @@ def start_backend(model_dir: Path, log_path: Path) -> devstack.VLLMServer:
     env = devstack.vllm_environment()
     env["VLLM_SERVER_DEV_MODE"] = "1"
     log_file = log_path.open("wb")
-    process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT,
-                               stdin=subprocess.DEVNULL, env=env, start_new_session=True)
-    server = devstack.VLLMServer(process, "127.0.0.1", port,
-                                 devstack.DEFAULT_SERVED_MODEL_NAME, log_path, log_file)
+    process = subprocess.Popen(
+        command,
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=env,
+        start_new_session=True,
+    )
+    server = devstack.VLLMServer(
+        process, "127.0.0.1", port, devstack.DEFAULT_SERVED_MODEL_NAME, log_path, log_file
+    )
     try:
         server.wait_healthy()
     except BaseException:
@@ -177,9 +185,23 @@ def start_proxy(backend: str, output: Path, log_path: Path) -> Proxy:
     env = dict(os.environ, TURNSTILE_SHARD_MAX_AGE_S=PROXY_SHARD_MAX_AGE_S)
     log = log_path.open("wb")
     process = subprocess.Popen(
-        [sys.executable, "-m", "turnstile", "serve", "--backend", backend, "--output",
-         str(output), "--port", str(port), "--log-level", "warning"],
-        stdout=log, stderr=subprocess.STDOUT, env=env,
+        [
+            sys.executable,
+            "-m",
+            "turnstile",
+            "serve",
+            "--backend",
+            backend,
+            "--output",
+            str(output),
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
     )
     proxy = Proxy(process, f"http://127.0.0.1:{port}", output, log)
     deadline = time.monotonic() + PROXY_START_TIMEOUT_S
@@ -198,17 +220,24 @@ def start_proxy(backend: str, output: Path, log_path: Path) -> Proxy:
 
 
 def rollout(proxy: str, step: int, group: int, index: int, cfg: Config) -> dict[str, float]:
-    created = _http("POST", f"{proxy}/rollouts",
-                    {"group_id": f"step{step}-g{group}", "task_id": f"prompt-{group}"})
-    reply = _http("POST", f"{created['base_url']}/completions", {
-        "model": devstack.DEFAULT_SERVED_MODEL_NAME,
-        "prompt": list(PROMPTS[group % len(PROMPTS)]),
-        "max_tokens": cfg.max_tokens,
-        "min_tokens": cfg.max_tokens,
-        "temperature": 1.0,
-        "seed": cfg.seed * 1_000_003 + step * 10_007 + group * 101 + index,
-        "return_token_ids": True,
-    })
+    created = _http(
+        "POST",
+        f"{proxy}/rollouts",
+        {"group_id": f"step{step}-g{group}", "task_id": f"prompt-{group}"},
+    )
+    reply = _http(
+        "POST",
+        f"{created['base_url']}/completions",
+        {
+            "model": devstack.DEFAULT_SERVED_MODEL_NAME,
+            "prompt": list(PROMPTS[group % len(PROMPTS)]),
+            "max_tokens": cfg.max_tokens,
+            "min_tokens": cfg.max_tokens,
+            "temperature": 1.0,
+            "seed": cfg.seed * 1_000_003 + step * 10_007 + group * 101 + index,
+            "return_token_ids": True,
+        },
+    )
     tokens = reply["choices"][0]["token_ids"]
     rewards, info = score(tokens)
     rid = created["rollout_id"]
@@ -225,7 +254,8 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.model_dir = model_dir
         self.model = AutoModelForCausalLM.from_pretrained(
-            str(model_dir), dtype=torch.float32, local_files_only=True)
+            str(model_dir), dtype=torch.float32, local_files_only=True
+        )
         self.model.train()
         head = [p for n, p in self.model.named_parameters() if n.startswith("lm_head.")]
         body = [p for n, p in self.model.named_parameters() if not n.startswith("lm_head.")]
@@ -244,8 +274,13 @@ class Trainer:
         batch = batches.to_torch(batches.pad_batch(samples))
         logp = policy.token_logprobs(self.model, batch["input_ids"], batch["attention_mask"])
         out = losses.proximal_kl_loss(
-            logp, logp.detach(), batch["behavior_logprobs"], logp.detach(),
-            batch["advantages"], batch["loss_mask"], losses.ProximalKLConfig(beta=0.0),
+            logp,
+            logp.detach(),
+            batch["behavior_logprobs"],
+            logp.detach(),
+            batch["advantages"],
+            batch["loss_mask"],
+            losses.ProximalKLConfig(beta=0.0),
         )
         for optimizer in self.optimizers:
             optimizer.zero_grad()
@@ -256,8 +291,9 @@ class Trainer:
 
     def save(self) -> None:
         state = self.model.state_dict()
-        tensors = {k: state[k].detach().to(torch.bfloat16).contiguous()
-                   for k in self.checkpoint_keys}
+        tensors = {
+            k: state[k].detach().to(torch.bfloat16).contiguous() for k in self.checkpoint_keys
+        }
         staged = self.model_dir / "model.safetensors.partial"
         save_file(tensors, str(staged), metadata={"format": "pt"})
         os.replace(staged, self.model_dir / "model.safetensors")
@@ -287,22 +323,25 @@ def reload_backend(backend: str) -> None:
     _http("POST", f"{backend}/reset_prefix_cache")
 
 
-def _advantages(estimator: str, samples: list[batches.TrainSample], proxy: Proxy,
-                backend: str, cfg: Config) -> None:
+def _advantages(
+    estimator: str, samples: list[batches.TrainSample], proxy: Proxy, backend: str, cfg: Config
+) -> None:
     names = ["low", "even"]
     if estimator == "grpo":
         batches.assign_grpo(samples, names)
     elif estimator == "gdpo":
         batches.assign_gdpo(samples, names)
     else:
-        rescore.replay_backend(proxy.output, backend, samples=samples, top_k=cfg.top_k,
-                               progress=False)
+        rescore.replay_backend(
+            proxy.output, backend, samples=samples, top_k=cfg.top_k, progress=False
+        )
         relevance = rescore.relevance_for(samples, rescore.read_relevance(proxy.output))
         batches.assign_mrtpo(samples, relevance, names)
 
 
-def run_estimator(estimator: str, cfg: Config, backend: str, model_dir: Path,
-                  pristine: Path, workdir: Path) -> Curve:
+def run_estimator(
+    estimator: str, cfg: Config, backend: str, model_dir: Path, pristine: Path, workdir: Path
+) -> Curve:
     started = time.monotonic()
     shutil.copyfile(pristine, model_dir / "model.safetensors")
     reload_backend(backend)
@@ -311,29 +350,42 @@ def run_estimator(estimator: str, cfg: Config, backend: str, model_dir: Path,
     curve = Curve(estimator)
     trainer = Trainer(model_dir, cfg)
     version = 0
-    follower = ShardFollower(output, follow=True, poll_interval_s=SHARD_POLL_S,
-                             idle_timeout_s=SHARD_WAIT_S, max_staleness=0,
-                             current_version=lambda: version)
+    follower = ShardFollower(
+        output,
+        follow=True,
+        poll_interval_s=SHARD_POLL_S,
+        idle_timeout_s=SHARD_WAIT_S,
+        max_staleness=0,
+        current_version=lambda: version,
+    )
     groups: Iterator[list[batches.TrainSample]] = iter_group_batches(
-        follower, cfg.group_size, cfg.groups)
+        follower, cfg.group_size, cfg.groups
+    )
     try:
         for step in range(cfg.steps + 1):  # the last round only measures the final policy
             version = step
             _http("POST", f"{proxy.url}/admin/policy_version", {"policy_version": version})
             with concurrent.futures.ThreadPoolExecutor(CONCURRENCY) as pool:
-                jobs = [pool.submit(rollout, proxy.url, step, g, i, cfg)
-                        for g in range(cfg.groups) for i in range(cfg.group_size)]
+                jobs = [
+                    pool.submit(rollout, proxy.url, step, g, i, cfg)
+                    for g in range(cfg.groups)
+                    for i in range(cfg.group_size)
+                ]
                 rewards = [j.result() for j in jobs]
             curve.low.append(float(np.mean([r["low"] for r in rewards])))
             curve.even.append(float(np.mean([r["even"] for r in rewards])))
             curve.rewards.append(curve.low[-1] + curve.even[-1])
             samples = next(groups)
-            curve.policy_versions.append(sorted({int(v) for s in samples
-                                                 for v in s.policy_versions}))
+            curve.policy_versions.append(
+                sorted({int(v) for s in samples for v in s.policy_versions})
+            )
             curve.staleness.append(max(s.staleness(version) for s in samples))
-            print(f"{estimator} step {step}: mean reward {curve.rewards[-1]:.3f} "
-                  f"(low {curve.low[-1]:.3f}, even {curve.even[-1]:.3f}), "
-                  f"policy versions {curve.policy_versions[-1]}", flush=True)
+            print(
+                f"{estimator} step {step}: mean reward {curve.rewards[-1]:.3f} "
+                f"(low {curve.low[-1]:.3f}, even {curve.even[-1]:.3f}), "
+                f"policy versions {curve.policy_versions[-1]}",
+                flush=True,
+            )
             if step == cfg.steps:
                 break
             _advantages(estimator, samples, proxy, backend, cfg)
@@ -377,8 +429,10 @@ def run(cfg: Config) -> list[Curve]:
             initial = load_file(str(devstack.ensure_tiny_qwen3() / "model.safetensors"))
             initial.setdefault("lm_head.weight", initial["model.embed_tokens.weight"].clone())
             save_file(initial, str(pristine), metadata={"format": "pt"})
-            return [run_estimator(e, cfg, cfg.backend, cfg.backend_model_dir, pristine,
-                                  workdir) for e in cfg.estimators]
+            return [
+                run_estimator(e, cfg, cfg.backend, cfg.backend_model_dir, pristine, workdir)
+                for e in cfg.estimators
+            ]
         model_dir = workdir / "model"
         if model_dir.exists():
             shutil.rmtree(model_dir)
@@ -388,8 +442,10 @@ def run(cfg: Config) -> list[Curve]:
         shutil.copyfile(model_dir / "model.safetensors", pristine)
         server = start_backend(model_dir, workdir / "vllm.log")
         with server:
-            return [run_estimator(e, cfg, server.base_url, model_dir, pristine, workdir)
-                    for e in cfg.estimators]
+            return [
+                run_estimator(e, cfg, server.base_url, model_dir, pristine, workdir)
+                for e in cfg.estimators
+            ]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -405,25 +461,47 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--workdir", type=Path, help="keep logs, shards and weights here")
     p.add_argument("--plot", type=Path, default=Path("reward.png"))
     p.add_argument("--json", type=Path, help="write the reward curves here")
-    p.add_argument("--backend", metavar="URL",
-                   help="use this running vLLM (started with VLLM_SERVER_DEV_MODE=1) instead "
-                   "of starting one; never a shared server: its weights are replaced")
-    p.add_argument("--backend-model-dir", type=Path, metavar="DIR",
-                   help="the model directory that --backend serves")
+    p.add_argument(
+        "--backend",
+        metavar="URL",
+        help="use this running vLLM (started with VLLM_SERVER_DEV_MODE=1) instead "
+        "of starting one; never a shared server: its weights are replaced",
+    )
+    p.add_argument(
+        "--backend-model-dir",
+        type=Path,
+        metavar="DIR",
+        help="the model directory that --backend serves",
+    )
     args = p.parse_args(argv)
-    cfg = Config(steps=args.steps, groups=args.groups, group_size=args.group_size,
-                 max_tokens=args.max_tokens, lr=args.lr, seed=args.seed,
-                 estimators=tuple(e for e in args.estimators.split(",") if e),
-                 workdir=args.workdir, backend=args.backend,
-                 backend_model_dir=args.backend_model_dir)
+    cfg = Config(
+        steps=args.steps,
+        groups=args.groups,
+        group_size=args.group_size,
+        max_tokens=args.max_tokens,
+        lr=args.lr,
+        seed=args.seed,
+        estimators=tuple(e for e in args.estimators.split(",") if e),
+        workdir=args.workdir,
+        backend=args.backend,
+        backend_model_dir=args.backend_model_dir,
+    )
     unknown = set(cfg.estimators) - set(ESTIMATORS)
     if unknown:
         p.error(f"unknown estimators {sorted(unknown)}; choose from {ESTIMATORS}")
     curves = run(cfg)
     plot(curves, args.plot)
-    result = {c.estimator: {"mean_reward": c.rewards, "low": c.low, "even": c.even,
-                            "policy_versions": c.policy_versions, "staleness": c.staleness,
-                            "seconds": round(c.seconds, 1)} for c in curves}
+    result = {
+        c.estimator: {
+            "mean_reward": c.rewards,
+            "low": c.low,
+            "even": c.even,
+            "policy_versions": c.policy_versions,
+            "staleness": c.staleness,
+            "seconds": round(c.seconds, 1),
+        }
+        for c in curves
+    }
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     for c in curves:

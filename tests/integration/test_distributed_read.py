@@ -23,8 +23,11 @@ def output(tmp_path_factory: pytest.TempPathFactory) -> Path:
             for _ in range(2):
                 rid = client.post("/rollouts", json={}).json()["rollout_id"]
                 body = {"model": "fake-model", "messages": [{"role": "user", "content": "q"}]}
-                client.post(f"/rollouts/{rid}/v1/chat/completions", json=body,
-                            headers={"X-Turnstile-Policy-Version": str(version)})
+                client.post(
+                    f"/rollouts/{rid}/v1/chat/completions",
+                    json=body,
+                    headers={"X-Turnstile-Policy-Version": str(version)},
+                )
                 client.post(f"/rollouts/{rid}/finish", json={"rewards": {"ok": 1.0}})
     return out
 
@@ -34,8 +37,7 @@ def output(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_ray_data_reads_shards_with_a_policy_version_filter(output: Path) -> None:
     import ray
 
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False,
-             configure_logging=False)
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
         files = [str(p) for p in open_output(output).files("samples")]
         ds = ray.data.read_parquet(files).select_columns(

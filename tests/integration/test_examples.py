@@ -34,16 +34,16 @@ def published_rollouts(output: Path, group_id: str, count: int) -> list[dict[str
     """The rollout rows of `group_id`, once `count` of them are published."""
     deadline = time.monotonic() + PUBLISH_TIMEOUT_S
     while True:
-        rows = [r for r in open_output(output).rollouts().to_pylist()
-                if r["group_id"] == group_id]
+        rows = [r for r in open_output(output).rollouts().to_pylist() if r["group_id"] == group_id]
         if len(rows) >= count or time.monotonic() > deadline:
             return rows
         time.sleep(POLL_S)
 
 
 @pytest.fixture(scope="module")
-def turnstile(vllm_server: Any, qwen3_tokenizer_dir: Path,
-              tmp_path_factory: pytest.TempPathFactory) -> Iterator[Turnstile]:
+def turnstile(
+    vllm_server: Any, qwen3_tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Turnstile]:
     out = tmp_path_factory.mktemp("examples") / "out"
     with Turnstile(vllm_server.base_url, out, qwen3_tokenizer_dir) as ts:
         yield ts
@@ -53,8 +53,15 @@ def run_example(command: list[str], turnstile: Turnstile) -> str:
     env = {**os.environ, "TURNSTILE_URL": turnstile.url, "PYTHON": sys.executable}
     env.pop("OPENAI_BASE_URL", None)
     env.pop("OPENAI_API_KEY", None)
-    proc = subprocess.run(command, cwd=EXAMPLES.parent, env=env, capture_output=True,
-                          text=True, timeout=EXAMPLE_TIMEOUT_S, check=False)
+    proc = subprocess.run(
+        command,
+        cwd=EXAMPLES.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=EXAMPLE_TIMEOUT_S,
+        check=False,
+    )
     assert proc.returncode == 0, f"{command} failed:\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout
 
@@ -68,10 +75,10 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("script", "group", "count", "rewards"), CASES,
-                         ids=[c[0] for c in CASES])
-def test_python_example(turnstile: Turnstile, script: str, group: str, count: int,
-                        rewards: set[str]) -> None:
+@pytest.mark.parametrize(("script", "group", "count", "rewards"), CASES, ids=[c[0] for c in CASES])
+def test_python_example(
+    turnstile: Turnstile, script: str, group: str, count: int, rewards: set[str]
+) -> None:
     print(run_example([sys.executable, str(EXAMPLES / script)], turnstile))
     check_recorded(turnstile.output, group, count, rewards)
 
@@ -97,8 +104,7 @@ def check_recorded(output: Path, group: str, count: int, rewards: set[str]) -> N
         assert row["num_turns"] >= 1 and row["num_samples"] >= 1
     turns = [t for t in open_output(output).turns().to_pylist() if t["rollout_id"] in ids]
     assert turns and all(t["status"] == "ok" for t in turns)
-    assert all(t["token_source"] == "backend" and t["num_completion_tokens"] > 0
-               for t in turns)
+    assert all(t["token_source"] == "backend" and t["num_completion_tokens"] > 0 for t in turns)
     if group == "langgraph-demo":
         # The agent offered its tool on every model call.
         assert all("multiply" in (t["request_tools_json"] or "") for t in turns)

@@ -74,8 +74,11 @@ def _rollouts(client: TestClient, n: int, version: int) -> list[str]:
     for _ in range(n):
         rid = client.post("/rollouts", json={}).json()["rollout_id"]
         body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
-        resp = client.post(f"/rollouts/{rid}/v1/chat/completions", json=body,
-                           headers={"X-Turnstile-Policy-Version": str(version)})
+        resp = client.post(
+            f"/rollouts/{rid}/v1/chat/completions",
+            json=body,
+            headers={"X-Turnstile-Policy-Version": str(version)},
+        )
         assert resp.status_code == 200
         assert client.post(f"/rollouts/{rid}/finish").status_code == 200
         ids.append(rid)
@@ -86,8 +89,13 @@ def test_shards_reach_the_store_through_an_outage(store: Store, tmp_path: Path) 
     staging = tmp_path / "staging"
     settings = load_settings(
         None,
-        {"output": f"s3://{BUCKET}/run-1", "staging_dir": staging,
-         "object_store_endpoint": store.url, "shard_max_age_s": 0.2, "writer_id": "replica-a"},
+        {
+            "output": f"s3://{BUCKET}/run-1",
+            "staging_dir": staging,
+            "object_store_endpoint": store.url,
+            "shard_max_age_s": 0.2,
+            "writer_id": "replica-a",
+        },
         environ={},
     )
     assert settings.output == staging and settings.output_uri == f"s3://{BUCKET}/run-1"
@@ -100,8 +108,10 @@ def test_shards_reach_the_store_through_an_outage(store: Store, tmp_path: Path) 
         _wait(lambda: publisher.stats.uploaded >= 3 and not publisher.staged(), "first upload")
         store.stop()  # the store goes away while the proxy keeps recording
         during = _rollouts(client, 5, version=2)
-        _wait(lambda: publisher.staged() and publisher.stats.attempts_failed >= 2,
-              "failed upload attempts")
+        _wait(
+            lambda: publisher.staged() and publisher.stats.attempts_failed >= 2,
+            "failed upload attempts",
+        )
         staged_during_outage = len(publisher.staged())
         store.start()
         _wait(lambda: not publisher.staged(), "the upload after the outage")
@@ -115,10 +125,12 @@ def test_shards_reach_the_store_through_an_outage(store: Store, tmp_path: Path) 
     rollouts = out.rollouts().column("rollout_id").to_pylist()
     assert sorted(rollouts) == sorted(before + during + after)  # each exactly once
     assert out.turns().num_rows == 12
-    assert sorted(out.samples(policy_version_min=2, policy_version_max=2)
-                  .column("rollout_id").to_pylist()) == sorted(during)
-    manifests = boto3.client("s3", endpoint_url=store.url, region_name="us-east-1") \
-        .list_objects_v2(Bucket=BUCKET, Prefix="run-1/_manifests/")["Contents"]
+    assert sorted(
+        out.samples(policy_version_min=2, policy_version_max=2).column("rollout_id").to_pylist()
+    ) == sorted(during)
+    manifests = boto3.client("s3", endpoint_url=store.url, region_name="us-east-1").list_objects_v2(
+        Bucket=BUCKET, Prefix="run-1/_manifests/"
+    )["Contents"]
     assert [m["Key"] for m in manifests] == ["run-1/_manifests/replica-a.json"]
     assert publisher.stats.attempts_failed >= 2 and publisher.stats.last_error
 

@@ -63,8 +63,7 @@ def turnstile(vllm_server: Any, qwen3_tokenizer_dir: Path, tmp_path: Path) -> It
 def vllm_tokenize(base_url: str, messages: list[dict[str, Any]], tools: Any) -> list[int]:
     resp = httpx.post(
         base_url + "/tokenize",
-        json={"model": MODEL, "messages": messages, "tools": tools,
-              "add_generation_prompt": True},
+        json={"model": MODEL, "messages": messages, "tools": tools, "add_generation_prompt": True},
         timeout=30,
     )
     resp.raise_for_status()
@@ -73,27 +72,36 @@ def vllm_tokenize(base_url: str, messages: list[dict[str, Any]], tools: Any) -> 
 
 def _strip_volatile(obj: Any) -> Any:
     if isinstance(obj, dict):
-        return {k: _strip_volatile(v) for k, v in obj.items()
-                if k not in ("id", "created", "system_fingerprint")}
+        return {
+            k: _strip_volatile(v)
+            for k, v in obj.items()
+            if k not in ("id", "created", "system_fingerprint")
+        }
     if isinstance(obj, list):
         return [_strip_volatile(v) for v in obj]
     return obj
 
 
 def test_response_shape_is_what_vllm_returns(turnstile: Turnstile, vllm_server: Any) -> None:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi there"}],
-            "max_tokens": MAX_TOKENS, "seed": SEED, "temperature": 1.0}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Hi there"}],
+        "max_tokens": MAX_TOKENS,
+        "seed": SEED,
+        "temperature": 1.0,
+    }
     via = httpx.post(turnstile.url + "/v1/chat/completions", json=body, timeout=60).json()
-    direct = httpx.post(vllm_server.base_url + "/v1/chat/completions", json=body,
-                        timeout=60).json()
+    direct = httpx.post(vllm_server.base_url + "/v1/chat/completions", json=body, timeout=60).json()
     assert _strip_volatile(via) == _strip_volatile(direct)
 
     stream_body = {**body, "stream": True}
-    with httpx.stream("POST", turnstile.url + "/v1/chat/completions", json=stream_body,
-                      timeout=60) as r:
+    with httpx.stream(
+        "POST", turnstile.url + "/v1/chat/completions", json=stream_body, timeout=60
+    ) as r:
         via_lines = [line for line in r.iter_lines() if line]
-    with httpx.stream("POST", vllm_server.base_url + "/v1/chat/completions",
-                      json=stream_body, timeout=60) as r:
+    with httpx.stream(
+        "POST", vllm_server.base_url + "/v1/chat/completions", json=stream_body, timeout=60
+    ) as r:
         direct_lines = [line for line in r.iter_lines() if line]
     # vLLM groups tokens into chunks by timing, so compare what does not depend on it:
     # the shape of every chunk, the text, the finish reason and the end of the stream.
@@ -125,9 +133,7 @@ def _finish(chunks: list[dict[str, Any]]) -> list[Any]:
     return [c["finish_reason"] for ch in chunks for c in ch["choices"] if c["finish_reason"]]
 
 
-def _run_rollout(
-    client: openai.OpenAI, stream_pattern: list[bool]
-) -> list[dict[str, Any]]:
+def _run_rollout(client: openai.OpenAI, stream_pattern: list[bool]) -> list[dict[str, Any]]:
     """Drive a multi-turn conversation; returns what the client saw per turn."""
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": "You are a helpful assistant."},
@@ -136,8 +142,13 @@ def _run_rollout(
     seen = []
     for i, stream in enumerate(stream_pattern):
         kwargs: dict[str, Any] = dict(
-            model=MODEL, messages=messages, tools=TOOLS, max_tokens=MAX_TOKENS,
-            seed=SEED + i, logprobs=True, extra_body={"return_token_ids": True},
+            model=MODEL,
+            messages=messages,
+            tools=TOOLS,
+            max_tokens=MAX_TOKENS,
+            seed=SEED + i,
+            logprobs=True,
+            extra_body={"return_token_ids": True},
         )
         if stream:
             ids: list[int] = []
@@ -161,23 +172,37 @@ def _run_rollout(
             ids = (choice.model_extra or {})["token_ids"]
             lps = [e.logprob for e in (choice.logprobs.content or [])] if choice.logprobs else []
             prompt_ids = (resp.model_extra or {})["prompt_token_ids"]
-        seen.append({"messages": list(messages), "ids": ids, "logprobs": lps,
-                     "prompt_ids": prompt_ids, "content": content})
-        messages = [*messages, {"role": "assistant", "content": content},
-                    {"role": "user", "content": f"Thanks. And tomorrow? ({i})"}]
+        seen.append(
+            {
+                "messages": list(messages),
+                "ids": ids,
+                "logprobs": lps,
+                "prompt_ids": prompt_ids,
+                "content": content,
+            }
+        )
+        messages = [
+            *messages,
+            {"role": "assistant", "content": content},
+            {"role": "user", "content": f"Thanks. And tomorrow? ({i})"},
+        ]
     return seen
 
 
-def test_multi_turn_rollouts_are_recorded_exactly(
-    turnstile: Turnstile, vllm_server: Any
-) -> None:
-    created = httpx.post(turnstile.url + "/rollouts",
-                         json={"group_id": "g0", "task_id": "weather"}).json()
+def test_multi_turn_rollouts_are_recorded_exactly(turnstile: Turnstile, vllm_server: Any) -> None:
+    created = httpx.post(
+        turnstile.url + "/rollouts", json={"group_id": "g0", "task_id": "weather"}
+    ).json()
     client = openai.OpenAI(base_url=created["base_url"], api_key="unused", max_retries=0)
     seen = _run_rollout(client, [False, True, False, True])
     rid = created["rollout_id"]
-    assert httpx.post(f"{turnstile.url}/rollouts/{rid}/rewards",
-                      json={"rewards": {"correct": 1.0, "format": 0.0}}).status_code == 200
+    assert (
+        httpx.post(
+            f"{turnstile.url}/rollouts/{rid}/rewards",
+            json={"rewards": {"correct": 1.0, "format": 0.0}},
+        ).status_code
+        == 200
+    )
     assert httpx.post(f"{turnstile.url}/rollouts/{rid}/finish").status_code == 200
     turnstile.stop()
 
@@ -195,8 +220,10 @@ def test_multi_turn_rollouts_are_recorded_exactly(
         assert turn["prompt_token_ids"] == client_saw["prompt_ids"]
         # the completion and its logprobs are exactly what vLLM returned
         assert turn["completion_token_ids"] == client_saw["ids"]
-        assert np.array_equal(np.asarray(turn["behavior_logprobs"], np.float32),
-                              np.asarray(client_saw["logprobs"], np.float32))
+        assert np.array_equal(
+            np.asarray(turn["behavior_logprobs"], np.float32),
+            np.asarray(client_saw["logprobs"], np.float32),
+        )
 
     samples = [s for s in out.samples().to_pylist() if s["rollout_id"] == rid]
     assert samples, "the sealed rollout produced no samples"
@@ -219,32 +246,42 @@ def test_multi_turn_rollouts_are_recorded_exactly(
     assert sum(len(s["turn_spans"]) for s in samples) == len(turns)
     (rollout,) = [r for r in out.rollouts().to_pylist() if r["rollout_id"] == rid]
     assert rollout["status"] == "finished" and rollout["group_id"] == "g0"
-    assert {r["name"]: r["value"] for r in rollout["rewards"]} == {"correct": 1.0,
-                                                                     "format": 0.0}
+    assert {r["name"]: r["value"] for r in rollout["rewards"]} == {"correct": 1.0, "format": 0.0}
 
 
 def test_completions_with_token_prompt(turnstile: Turnstile, vllm_server: Any) -> None:
     prompt = [151644, 872, 198, 9707, 0, 151645, 198, 151644, 77091, 198]
     client = openai.OpenAI(base_url=turnstile.url + "/rollouts/cmp-1/v1", api_key="x")
-    resp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS,
-                                     seed=SEED, logprobs=1,
-                                     extra_body={"return_token_ids": True})
+    resp = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=MAX_TOKENS,
+        seed=SEED,
+        logprobs=1,
+        extra_body={"return_token_ids": True},
+    )
     choice = resp.choices[0]
     httpx.post(turnstile.url + "/rollouts/cmp-1/finish")
     turnstile.stop()
-    (turn,) = [t for t in open_output(turnstile.output).turns().to_pylist()
-               if t["rollout_id"] == "cmp-1"]
+    (turn,) = [
+        t for t in open_output(turnstile.output).turns().to_pylist() if t["rollout_id"] == "cmp-1"
+    ]
     assert turn["prompt_token_ids"] == prompt
     assert turn["completion_token_ids"] == (choice.model_extra or {})["token_ids"]
     assert choice.logprobs is not None
-    assert np.array_equal(np.asarray(turn["behavior_logprobs"], np.float32),
-                          np.asarray(choice.logprobs.token_logprobs, np.float32))
+    assert np.array_equal(
+        np.asarray(turn["behavior_logprobs"], np.float32),
+        np.asarray(choice.logprobs.token_logprobs, np.float32),
+    )
 
 
 def test_openai_client_sees_what_vllm_returns(turnstile: Turnstile, vllm_server: Any) -> None:
     kwargs: dict[str, Any] = dict(
-        model=MODEL, messages=[{"role": "user", "content": "Name a colour"}],
-        max_tokens=MAX_TOKENS, seed=SEED, tools=TOOLS,
+        model=MODEL,
+        messages=[{"role": "user", "content": "Name a colour"}],
+        max_tokens=MAX_TOKENS,
+        seed=SEED,
+        tools=TOOLS,
     )
     via = openai.OpenAI(base_url=turnstile.url + "/v1", api_key="x", max_retries=0)
     direct = openai.OpenAI(base_url=vllm_server.base_url + "/v1", api_key="x", max_retries=0)
@@ -257,14 +294,24 @@ def test_openai_client_sees_what_vllm_returns(turnstile: Turnstile, vllm_server:
     assert _shapes(sa) == _shapes(sb)
 
 
-def _start_serve(
-    vllm_server: Any, tokenizer: Path, out: Path
-) -> tuple[subprocess.Popen[str], str]:
+def _start_serve(vllm_server: Any, tokenizer: Path, out: Path) -> tuple[subprocess.Popen[str], str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "turnstile", "serve", "--backend", vllm_server.base_url,
-           "--output", str(out), "--port", str(port), "--tokenizer", str(tokenizer)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "turnstile",
+        "serve",
+        "--backend",
+        vllm_server.base_url,
+        "--output",
+        str(out),
+        "--port",
+        str(port),
+        "--tokenizer",
+        str(tokenizer),
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
@@ -292,10 +339,16 @@ def test_sigterm_drains_in_flight_streams(
     started = threading.Event()
 
     def stream() -> None:
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "go"}],
-                "max_tokens": DRAIN_TOKENS, "stream": True, "ignore_eos": True}
-        with httpx.stream("POST", url + "/rollouts/drain/v1/chat/completions", json=body,
-                          timeout=120) as resp:
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "go"}],
+            "max_tokens": DRAIN_TOKENS,
+            "stream": True,
+            "ignore_eos": True,
+        }
+        with httpx.stream(
+            "POST", url + "/rollouts/drain/v1/chat/completions", json=body, timeout=120
+        ) as resp:
             for line in resp.iter_lines():
                 started.set()
                 lines.append(line)
@@ -307,8 +360,11 @@ def test_sigterm_drains_in_flight_streams(
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)
         assert httpx.get(url + "/health", timeout=5).status_code == 503
-        refused = httpx.post(url + "/v1/chat/completions", timeout=5,
-                             json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
+        refused = httpx.post(
+            url + "/v1/chat/completions",
+            timeout=5,
+            json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]},
+        )
         assert refused.status_code == 503 and "Retry-After" in refused.headers
         worker.join(120)
     finally:
@@ -328,8 +384,9 @@ def test_serve_command_publishes_everything_on_sigterm(
     try:
         client = openai.OpenAI(base_url=url + "/rollouts/left-open/v1", api_key="x")
         for _ in range(2):
-            client.chat.completions.create(model=MODEL, max_tokens=MAX_TOKENS,
-                                           messages=[{"role": "user", "content": "hi"}])
+            client.chat.completions.create(
+                model=MODEL, max_tokens=MAX_TOKENS, messages=[{"role": "user", "content": "hi"}]
+            )
     finally:
         proc.send_signal(signal.SIGTERM)
         output, _ = proc.communicate(timeout=60)
@@ -359,10 +416,16 @@ def test_client_disconnect_aborts_the_request_in_vllm(
     # seconds of the disconnect without finishing was aborted by the cancel.
     finished = "vllm:request_success_total"
     before = _vllm_metric(vllm_server.base_url, finished)
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "talk"}],
-            "max_tokens": 1500, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", turnstile.url + "/rollouts/cut/v1/chat/completions", json=body,
-                      timeout=60) as resp:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "talk"}],
+        "max_tokens": 1500,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream(
+        "POST", turnstile.url + "/rollouts/cut/v1/chat/completions", json=body, timeout=60
+    ) as resp:
         for i, _ in enumerate(resp.iter_lines()):
             if i >= 10:
                 break
@@ -373,8 +436,9 @@ def test_client_disconnect_aborts_the_request_in_vllm(
     assert _vllm_metric(vllm_server.base_url, finished) == before, "the request completed"
     httpx.post(turnstile.url + "/rollouts/cut/finish")
     turnstile.stop()
-    (turn,) = [t for t in open_output(turnstile.output).turns().to_pylist()
-               if t["rollout_id"] == "cut"]
+    (turn,) = [
+        t for t in open_output(turnstile.output).turns().to_pylist() if t["rollout_id"] == "cut"
+    ]
     assert turn["status"] == "aborted" and turn["error"] == "client disconnected"
     assert 0 < len(turn["completion_token_ids"]) < 1500
     assert len(turn["behavior_logprobs"]) == len(turn["completion_token_ids"])

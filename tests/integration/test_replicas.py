@@ -36,10 +36,12 @@ POLL_S = 0.1
 
 def _render_config(prefix: Path, listen: int, upstreams: tuple[int, int]) -> Path:
     text = CONFIG.read_text()
-    for old, new in (("127.0.0.1:8100", f"127.0.0.1:{listen}"),
-                     ("127.0.0.1:8101", f"127.0.0.1:{upstreams[0]}"),
-                     ("127.0.0.1:8102", f"127.0.0.1:{upstreams[1]}"),
-                     ("worker_processes auto;", "worker_processes 1;")):
+    for old, new in (
+        ("127.0.0.1:8100", f"127.0.0.1:{listen}"),
+        ("127.0.0.1:8101", f"127.0.0.1:{upstreams[0]}"),
+        ("127.0.0.1:8102", f"127.0.0.1:{upstreams[1]}"),
+        ("worker_processes auto;", "worker_processes 1;"),
+    ):
         assert text.count(old) == 1, f"{CONFIG} no longer contains {old!r}"
         text = text.replace(old, new)
     conf = prefix / "nginx.conf"
@@ -72,7 +74,8 @@ def _stop(proc: subprocess.Popen[bytes]) -> int:
 
 
 def test_two_replicas_behind_nginx_keep_every_rollout_on_one_replica(
-    backend_url: str, tmp_path: Path  # noqa: F811
+    backend_url: str,  # noqa: F811
+    tmp_path: Path,
 ) -> None:
     ports = (_port(), _port())
     listen = _port()
@@ -88,15 +91,33 @@ def test_two_replicas_behind_nginx_keep_every_rollout_on_one_replica(
         for writer, port, out in zip(WRITERS, ports, outs, strict=True):
             log = (tmp_path / f"{writer}.log").open("wb")
             logs.append(log)
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "turnstile", "serve", "--backend", backend_url,
-                 "--output", str(out), "--port", str(port), "--writer-id", writer,
-                 "--log-level", "warning"],
-                env=env, stdout=log, stderr=log,
-            ))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "turnstile",
+                        "serve",
+                        "--backend",
+                        backend_url,
+                        "--output",
+                        str(out),
+                        "--port",
+                        str(port),
+                        "--writer-id",
+                        writer,
+                        "--log-level",
+                        "warning",
+                    ],
+                    env=env,
+                    stdout=log,
+                    stderr=log,
+                )
+            )
         nginx = subprocess.Popen(
             [NGINX, "-c", str(conf), "-p", f"{prefix}/", "-e", str(prefix / "error.log")],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         procs.append(nginx)
         for port in ports:
@@ -118,8 +139,10 @@ def test_two_replicas_behind_nginx_keep_every_rollout_on_one_replica(
                         resp = client.post("/v1/chat/completions", json=body, headers=head)
                     assert resp.status_code == 200, resp.text
                     reply = resp.json()["choices"][0]["message"]["content"]
-                    messages += [{"role": "assistant", "content": reply},
-                                 {"role": "user", "content": f"more {turn}"}]
+                    messages += [
+                        {"role": "assistant", "content": reply},
+                        {"role": "user", "content": f"more {turn}"},
+                    ]
                 finished = client.post(f"/rollouts/{rid}/finish", headers=head)
                 assert finished.status_code == 200, finished.text
                 assert finished.json()["num_turns"] == TURNS, finished.json()

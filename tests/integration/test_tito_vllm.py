@@ -41,15 +41,23 @@ PUBLISH_WAIT_S = 20.0
 
 
 @pytest.fixture
-def serve(vllm_server: Any, qwen3_tokenizer_dir: Path,
-          tmp_path: Path) -> Iterator[Callable[[str], LiveServer]]:
+def serve(
+    vllm_server: Any, qwen3_tokenizer_dir: Path, tmp_path: Path
+) -> Iterator[Callable[[str], LiveServer]]:
     servers: list[LiveServer] = []
 
     def _serve(mode: str) -> LiveServer:
-        settings = load_settings(None, {
-            "backends": [vllm_server.base_url], "output": tmp_path / mode,
-            "tokenizer": qwen3_tokenizer_dir, "mode": mode, "shard_max_age_s": 0.2,
-        }, environ={})
+        settings = load_settings(
+            None,
+            {
+                "backends": [vllm_server.base_url],
+                "output": tmp_path / mode,
+                "tokenizer": qwen3_tokenizer_dir,
+                "mode": mode,
+                "shard_max_age_s": 0.2,
+            },
+            environ={},
+        )
         server = LiveServer(create_app(settings)).__enter__()
         servers.append(server)
         return server
@@ -64,8 +72,12 @@ def _converse(url: str, rollout: str) -> None:
     messages: list[dict[str, Any]] = []
     for i, text in enumerate(USER_TURNS):
         messages.append({"role": "user", "content": text})
-        kwargs: dict[str, Any] = {"model": MODEL, "messages": messages,
-                                  "max_tokens": MAX_TOKENS, "seed": SEED + i}
+        kwargs: dict[str, Any] = {
+            "model": MODEL,
+            "messages": messages,
+            "max_tokens": MAX_TOKENS,
+            "seed": SEED + i,
+        }
         if i % 2:
             parts, finish = [], None
             for chunk in client.chat.completions.create(stream=True, **kwargs):
@@ -102,9 +114,15 @@ def test_tito_against_vllm_is_exact_and_record_mode_flags_every_break(
     samples, turns = _read(tmp_path / "tito", "tito-1")
     assert len(turns) == len(USER_TURNS)
     assert all(t["token_source"] == "backend" and t["status"] == "ok" for t in turns)
-    first = httpx.post(f"{vllm_server.base_url}/tokenize", json={
-        "model": MODEL, "messages": [{"role": "user", "content": USER_TURNS[0]}],
-        "add_generation_prompt": True}, timeout=30).json()["tokens"]
+    first = httpx.post(
+        f"{vllm_server.base_url}/tokenize",
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": USER_TURNS[0]}],
+            "add_generation_prompt": True,
+        },
+        timeout=30,
+    ).json()["tokens"]
     assert turns[0]["prompt_token_ids"] == first
     for prev, turn in itertools.pairwise(turns):
         context = prev["prompt_token_ids"] + prev["completion_token_ids"]

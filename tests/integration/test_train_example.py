@@ -21,9 +21,22 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def test_mean_reward_rises_for_grpo_gdpo_and_mrtpo(tmp_path: Path) -> None:
     plot, result = tmp_path / "reward.png", tmp_path / "reward.json"
     done = subprocess.run(
-        [sys.executable, str(EXAMPLE), "--steps", str(STEPS), "--plot", str(plot),
-         "--json", str(result), "--workdir", str(tmp_path / "work")],
-        capture_output=True, text=True, timeout=EXAMPLE_TIMEOUT_S, check=False,
+        [
+            sys.executable,
+            str(EXAMPLE),
+            "--steps",
+            str(STEPS),
+            "--plot",
+            str(plot),
+            "--json",
+            str(result),
+            "--workdir",
+            str(tmp_path / "work"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=EXAMPLE_TIMEOUT_S,
+        check=False,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     curves = json.loads(result.read_text())

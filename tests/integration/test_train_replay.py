@@ -46,18 +46,23 @@ def test_replay_through_vllm_matches_the_exact_path(
 ) -> None:
     samples = list(ShardFollower(recorded))
     assert len(samples) == GROUPS * GROUP_SIZE
-    assert cli_main(["replay", str(recorded), "--backend", vllm_server.base_url,
-                     "--no-progress"]) == 0
-    approx = {(r["rollout_id"], r["reward_name"]): r
-              for r in rescore.read_replays(recorded, rescore.METHOD_PROMPT_LOGPROBS).to_pylist()}
+    assert (
+        cli_main(["replay", str(recorded), "--backend", vllm_server.base_url, "--no-progress"]) == 0
+    )
+    approx = {
+        (r["rollout_id"], r["reward_name"]): r
+        for r in rescore.read_replays(recorded, rescore.METHOD_PROMPT_LOGPROBS).to_pylist()
+    }
     assert len(approx) == 2 * len(samples)
 
     model, tokenize = rescore_torch.load_hf_model(tiny_model_dir)
     with torch.no_grad():
         written = rescore_torch.replay_model(recorded, model, tokenize, progress=False)
     assert written == 2 * len(samples)
-    exact = {(r["rollout_id"], r["reward_name"]): r
-             for r in rescore.read_replays(recorded, rescore.METHOD_LOGITS).to_pylist()}
+    exact = {
+        (r["rollout_id"], r["reward_name"]): r
+        for r in rescore.read_replays(recorded, rescore.METHOD_LOGITS).to_pylist()
+    }
 
     by_id = {s.rollout_id: s for s in samples}
     for key, row in approx.items():

@@ -26,8 +26,13 @@ from turnstile.view.server import build_app
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
-CHROME_FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                "--disable-background-networking")
+CHROME_FLAGS = (
+    "--headless=new",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-dev-shm-usage",
+    "--disable-background-networking",
+)
 WINDOW = (1400, 1000)
 # The page renders a few thousand token spans; on a busy 2-core machine that is seconds.
 PAGE_TIMEOUT_S = 60
@@ -37,17 +42,31 @@ MAX_TOKENS = 16
 SCREENSHOT_MAX_HEIGHT = 2600
 DOCS_ENV = "TURNSTILE_DOCS_SCREENSHOTS"
 MODEL = "tiny-qwen3"
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Get the weather for a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                   "required": ["city"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Get the weather for a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+
 
 @pytest.fixture(autouse=True, scope="module")
 def _browser_installed() -> None:
     """The browser is a requirement of the suite (.ci/run installs it), never a skip."""
     if not (os.access(CHROMIUM, os.X_OK) and os.access(CHROMEDRIVER, os.X_OK)):
-        pytest.fail("needs Debian's chromium and chromium-driver (apt-get install chromium "
-                    "chromium-driver)", pytrace=False)
+        pytest.fail(
+            "needs Debian's chromium and chromium-driver (apt-get install chromium "
+            "chromium-driver)",
+            pytrace=False,
+        )
 
 
 def record(ts: Turnstile) -> str:
@@ -59,16 +78,24 @@ def record(ts: Turnstile) -> str:
 
 def _record(ts: Turnstile, http: httpx.Client) -> str:
     def chat(rid: str, messages: list[dict[str, Any]], version: int) -> dict[str, Any]:
-        resp = http.post(f"/rollouts/{rid}/v1/chat/completions",
-                         headers={"X-Turnstile-Policy-Version": str(version)},
-                         json={"model": MODEL, "messages": messages, "tools": TOOLS,
-                               "max_tokens": MAX_TOKENS, "seed": 7})
+        resp = http.post(
+            f"/rollouts/{rid}/v1/chat/completions",
+            headers={"X-Turnstile-Policy-Version": str(version)},
+            json={
+                "model": MODEL,
+                "messages": messages,
+                "tools": TOOLS,
+                "max_tokens": MAX_TOKENS,
+                "seed": 7,
+            },
+        )
         resp.raise_for_status()
         return dict(resp.json()["choices"][0]["message"])
 
     for version, reward in ((0, 0.0), (1, 0.5), (2, 1.0)):
-        rid = http.post("/rollouts", json={"group_id": "browser", "task_id": "weather"}
-                        ).json()["rollout_id"]
+        rid = http.post("/rollouts", json={"group_id": "browser", "task_id": "weather"}).json()[
+            "rollout_id"
+        ]
         messages: list[dict[str, Any]] = [{"role": "user", "content": "Weather in Oslo?"}]
         reply = chat(rid, messages, version)
         messages.append({"role": "assistant", "content": reply.get("content") or ""})
@@ -77,21 +104,31 @@ def _record(ts: Turnstile, http: httpx.Client) -> str:
         http.post(f"/rollouts/{rid}/finish", json={"rewards": {"correct": reward}})
     # The featured rollout: the harness rewrites the model's reply into a tool call (the
     # tiny random model never calls tools itself) and appends the tool's result.
-    rid = http.post("/rollouts", json={"group_id": "browser", "task_id": "weather",
-                                       "metadata": {"harness": "browser-test"}}
-                    ).json()["rollout_id"]
+    rid = http.post(
+        "/rollouts",
+        json={"group_id": "browser", "task_id": "weather", "metadata": {"harness": "browser-test"}},
+    ).json()["rollout_id"]
     messages = [{"role": "user", "content": "What is the weather in Oslo?"}]
     chat(rid, messages, 2)
-    call = {"id": "call_1", "type": "function",
-            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
-    messages += [{"role": "assistant", "content": "", "tool_calls": [call]},
-                 {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+    }
+    messages += [
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+    ]
     reply = chat(rid, messages, 2)
-    messages += [{"role": "assistant", "content": reply.get("content") or ""},
-                 {"role": "user", "content": "Thanks!"}]
+    messages += [
+        {"role": "assistant", "content": reply.get("content") or ""},
+        {"role": "user", "content": "Thanks!"},
+    ]
     chat(rid, messages, 2)
-    http.post(f"/rollouts/{rid}/rewards", json={"rewards": {"correct": 1.0},
-                                                "info": {"correct": "mentions sunny"}})
+    http.post(
+        f"/rollouts/{rid}/rewards",
+        json={"rewards": {"correct": 1.0}, "info": {"correct": "mentions sunny"}},
+    )
     http.post(f"/rollouts/{rid}/finish")
     assert len(published_rollouts(ts.output, "browser", 4)) == 4
     return rid
@@ -106,8 +143,9 @@ class Viewer(LiveServer):
 
 
 @pytest.fixture(scope="module")
-def recorded(vllm_server: Any, qwen3_tokenizer_dir: Path,
-             tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+def recorded(
+    vllm_server: Any, qwen3_tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, str]:
     out = tmp_path_factory.mktemp("browser") / "out"
     with Turnstile(vllm_server.base_url, out, qwen3_tokenizer_dir) as ts:
         rid = record(ts)
@@ -135,11 +173,14 @@ def _wait_ready(driver: Any, hash_: str) -> None:
     from selenium.webdriver.support.ui import WebDriverWait
 
     WebDriverWait(driver, PAGE_TIMEOUT_S).until(
-        lambda d: d.execute_script("return document.body.dataset.ready") == hash_
-        or d.find_element("id", "error").is_displayed()
+        lambda d: (
+            d.execute_script("return document.body.dataset.ready") == hash_
+            or d.find_element("id", "error").is_displayed()
+        )
     )
-    assert not driver.find_element("id", "error").is_displayed(), \
-        driver.find_element("id", "error").text
+    assert not driver.find_element("id", "error").is_displayed(), driver.find_element(
+        "id", "error"
+    ).text
 
 
 def _screenshot(driver: Any, path: Path) -> None:
@@ -151,7 +192,10 @@ def _screenshot(driver: Any, path: Path) -> None:
 
 
 def test_viewer_shows_a_rollout_in_chromium(
-    recorded: tuple[Path, str], qwen3_tokenizer_dir: Path, browser: Any, tmp_path: Path,
+    recorded: tuple[Path, str],
+    qwen3_tokenizer_dir: Path,
+    browser: Any,
+    tmp_path: Path,
 ) -> None:
     out, rid = recorded
     docs = os.environ.get(DOCS_ENV)
@@ -201,7 +245,9 @@ def test_viewer_shows_a_rollout_in_chromium(
 
 
 def test_inspect_output_for_the_docs(
-    recorded: tuple[Path, str], qwen3_tokenizer_dir: Path, tmp_path: Path,
+    recorded: tuple[Path, str],
+    qwen3_tokenizer_dir: Path,
+    tmp_path: Path,
 ) -> None:
     out, rid = recorded
     console = Console(record=True, width=120, force_terminal=True)

@@ -50,8 +50,9 @@ def test_every_route_but_health_needs_a_key(keyed: MakeApp) -> None:
                 body = resp.text
                 assert KEY not in body and OTHER not in body and ADMIN not in body
                 assert resp.json()["error"]["type"] == "authentication_error"
-                wrong = client.request(method, path, json={},
-                                       headers={"Authorization": "Bearer nope"})
+                wrong = client.request(
+                    method, path, json={}, headers={"Authorization": "Bearer nope"}
+                )
                 assert wrong.status_code == 401
     assert seen > 10
     assert h.backend.requests[1:] == []  # nothing unauthenticated reached the backend
@@ -63,9 +64,15 @@ def test_keys_open_their_routes_only(keyed: MakeApp, caplog: pytest.LogCaptureFi
     client_auth = {"Authorization": f"Bearer {OTHER}"}
     admin_auth = {"Authorization": f"Bearer {ADMIN}"}
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
-    steering = {"Connection": "keep-alive, X-Secret", "X-Secret": "1", "Host": "evil.example",
-                "X-Forwarded-Host": "evil.example", "Proxy-Authorization": "Basic eA==",
-                "TE": "trailers", "Upgrade": "h2c"}
+    steering = {
+        "Connection": "keep-alive, X-Secret",
+        "X-Secret": "1",
+        "Host": "evil.example",
+        "X-Forwarded-Host": "evil.example",
+        "Proxy-Authorization": "Basic eA==",
+        "TE": "trailers",
+        "Upgrade": "h2c",
+    }
     with TestClient(h.app) as client:
         resp = client.post("/v1/chat/completions", json=body, headers={**client_auth, **steering})
         assert resp.status_code == 200
@@ -74,17 +81,29 @@ def test_keys_open_their_routes_only(keyed: MakeApp, caplog: pytest.LogCaptureFi
         ((_, path, _, sent_headers),) = calls
         assert path == "/v1/chat/completions"
         assert sent_headers == {"Content-Type": "application/json"}
-        assert client.post("/rollouts", json={"rollout_id": "r"},
-                           headers=client_auth).status_code == 201
+        assert (
+            client.post("/rollouts", json={"rollout_id": "r"}, headers=client_auth).status_code
+            == 201
+        )
         rewards = {"rewards": {"ok": 1.0}}
-        assert client.post("/rollouts/r/rewards", json=rewards,
-                           headers=client_auth).status_code == 401
-        assert client.post("/rollouts/r/rewards", json=rewards,
-                           headers=admin_auth).status_code == 200
-        assert client.post("/admin/policy_version", json={"policy_version": 1},
-                           headers=client_auth).status_code == 401
-        assert client.post("/admin/policy_version", json={"policy_version": 1},
-                           headers=admin_auth).status_code == 200
+        assert (
+            client.post("/rollouts/r/rewards", json=rewards, headers=client_auth).status_code == 401
+        )
+        assert (
+            client.post("/rollouts/r/rewards", json=rewards, headers=admin_auth).status_code == 200
+        )
+        assert (
+            client.post(
+                "/admin/policy_version", json={"policy_version": 1}, headers=client_auth
+            ).status_code
+            == 401
+        )
+        assert (
+            client.post(
+                "/admin/policy_version", json={"policy_version": 1}, headers=admin_auth
+            ).status_code
+            == 200
+        )
     assert KEY not in caplog.text and OTHER not in caplog.text and ADMIN not in caplog.text
     for turn in h.sink.turns:
         assert OTHER not in repr(turn)
@@ -107,8 +126,7 @@ def test_rollout_keys_open_their_own_rollout_only(
 ) -> None:
     monkeypatch.setenv("TS_KEY_A", KEY)
     monkeypatch.setenv("TS_ADMIN", ADMIN)
-    h = make_app(api_key_env=["TS_KEY_A"],
-                 admin_api_key_env="TS_ADMIN" if separate_admin else None)
+    h = make_app(api_key_env=["TS_KEY_A"], admin_api_key_env="TS_ADMIN" if separate_admin else None)
     client_auth = {"Authorization": f"Bearer {KEY}"}
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     with TestClient(h.app) as client:
@@ -118,17 +136,24 @@ def test_rollout_keys_open_their_own_rollout_only(
         assert key.startswith("tsr_mine.") and KEY not in key
         auth = {"Authorization": f"Bearer {key}"}
         # its own rollout: chat under the rollout path, via the header, state and finish
-        assert client.post("/rollouts/mine/v1/chat/completions", json=body,
-                           headers=auth).status_code == 200
-        assert client.post("/v1/chat/completions", json=body,
-                           headers={**auth, "X-Turnstile-Rollout": "mine"}).status_code == 200
+        assert (
+            client.post("/rollouts/mine/v1/chat/completions", json=body, headers=auth).status_code
+            == 200
+        )
+        assert (
+            client.post(
+                "/v1/chat/completions", json=body, headers={**auth, "X-Turnstile-Rollout": "mine"}
+            ).status_code
+            == 200
+        )
         assert client.get("/rollouts/mine", headers=auth).json()["num_turns"] == 2
         # anything else: 403, and nothing reaches the backend or the rollout
         calls = len(h.backend.requests)
         refused = [
             client.post("/rollouts/theirs/v1/chat/completions", json=body, headers=auth),
-            client.post("/v1/chat/completions", json=body,
-                        headers={**auth, "X-Turnstile-Rollout": "theirs"}),
+            client.post(
+                "/v1/chat/completions", json=body, headers={**auth, "X-Turnstile-Rollout": "theirs"}
+            ),
             client.post("/v1/chat/completions", json=body, headers=auth),  # implicit rollout
             client.post("/rollouts/mine/rewards", json={"rewards": {"ok": 1.0}}, headers=auth),
             client.post("/rollouts/theirs/finish", headers=auth),
@@ -144,14 +169,22 @@ def test_rollout_keys_open_their_own_rollout_only(
         assert client.get("/rollouts/theirs", headers=client_auth).json()["num_turns"] == 0
         # a forged or tampered key is simply invalid
         forged = "tsr_theirs." + key.rpartition(".")[2]
-        assert client.post("/rollouts/theirs/finish",
-                           headers={"Authorization": f"Bearer {forged}"}).status_code == 401
+        assert (
+            client.post(
+                "/rollouts/theirs/finish", headers={"Authorization": f"Bearer {forged}"}
+            ).status_code
+            == 401
+        )
         assert client.post("/rollouts/mine/finish", headers=auth).json()["status"] == "finished"
     # keys derive from the client keys: the same keys mint the same rollout key
     again = make_app(api_key_env=["TS_KEY_A"])
     with TestClient(again.app) as client:
-        assert client.post("/rollouts", json={"rollout_id": "mine"},
-                           headers=client_auth).json()["api_key"] == key
+        assert (
+            client.post("/rollouts", json={"rollout_id": "mine"}, headers=client_auth).json()[
+                "api_key"
+            ]
+            == key
+        )
 
 
 def test_no_rollout_key_without_client_keys(make_app: MakeApp) -> None:

@@ -89,14 +89,18 @@ class TinyServer:
             while True:
                 head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1")
                 path = head.split(" ", 2)[1]
-                length = next(int(line.split(":", 1)[1]) for line in head.split("\r\n")
-                              if line.lower().startswith("content-length:"))
+                length = next(
+                    int(line.split(":", 1)[1])
+                    for line in head.split("\r\n")
+                    if line.lower().startswith("content-length:")
+                )
                 body = orjson.loads(await reader.readexactly(length))
                 assert body["logprobs"] is True and body["return_token_ids"] is True
                 self.served[path] += 1
                 if path == "/close":
-                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n"
-                                 b"Connection: close\r\n\r\n{}")
+                    writer.write(
+                        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}"
+                    )
                     await writer.drain()
                     return
                 if path == "/status":
@@ -138,8 +142,9 @@ async def test_loadgen_counts_content_length(tiny: TinyServer) -> None:
 
 
 async def test_loadgen_parses_chunked_sse_split_anywhere(tiny: TinyServer) -> None:
-    plan = make_plan(parse_target(tiny.url("/chunked")), stream=True, concurrency=2,
-                     requests=6, warmup=0)
+    plan = make_plan(
+        parse_target(tiny.url("/chunked")), stream=True, concurrency=2, requests=6, warmup=0
+    )
     res = await run_load(plan, deadline_s=30)
     assert (res["requests"], res["errors"]) == (6, 0)
     assert tiny.served["/chunked"] == 6
@@ -150,8 +155,9 @@ async def test_loadgen_parses_chunked_sse_split_anywhere(tiny: TinyServer) -> No
 
 async def test_loadgen_counts_bad_streams_and_statuses_as_errors(tiny: TinyServer) -> None:
     for path, stream in (("/nodone", True), ("/status", False)):
-        plan = make_plan(parse_target(tiny.url(path)), stream=stream, concurrency=1,
-                         requests=3, warmup=0)
+        plan = make_plan(
+            parse_target(tiny.url(path)), stream=stream, concurrency=1, requests=3, warmup=0
+        )
         res = await run_load(plan, deadline_s=30)
         assert (res["requests"], res["errors"]) == (0, 3), path
         assert res["latency_p50_ms"] is None
@@ -159,36 +165,51 @@ async def test_loadgen_counts_bad_streams_and_statuses_as_errors(tiny: TinyServe
 
 
 async def test_loadgen_reconnects_after_connection_close(tiny: TinyServer) -> None:
-    plan = make_plan(parse_target(tiny.url("/close")), stream=False, concurrency=2,
-                     requests=10, warmup=0)
+    plan = make_plan(
+        parse_target(tiny.url("/close")), stream=False, concurrency=2, requests=10, warmup=0
+    )
     res = await run_load(plan, deadline_s=30)
     assert (res["requests"], res["errors"]) == (10, 0)
 
 
 async def test_loadgen_duration_mode_and_hard_deadline(tiny: TinyServer) -> None:
-    plan = make_plan(parse_target(tiny.url("/cl")), stream=False, concurrency=2,
-                     duration_s=0.3)
+    plan = make_plan(parse_target(tiny.url("/cl")), stream=False, concurrency=2, duration_s=0.3)
     res = await run_load(plan, deadline_s=30)
     assert res["requests"] > 0 and res["errors"] == 0 and 0.3 <= res["duration_s"] < 5
     # a stream longer than the deadline is cut short and counted as an error
-    plan = make_plan(parse_target(tiny.url("/chunked")), stream=True, concurrency=1,
-                     duration_s=30, warmup=0)
+    plan = make_plan(
+        parse_target(tiny.url("/chunked")), stream=True, concurrency=1, duration_s=30, warmup=0
+    )
     started = time.monotonic()
     res = await run_load(plan, deadline_s=0.02)
     assert res["timed_out"] and res["errors"] >= 1 and time.monotonic() - started < 5
 
 
 def test_loadgen_refuses_anything_but_loopback() -> None:
-    for url in ("http://10.0.0.1:80/v1", "http://example.com/", "https://127.0.0.1:1/",
-                "http://0.0.0.0:8000/"):
+    for url in (
+        "http://10.0.0.1:80/v1",
+        "http://example.com/",
+        "https://127.0.0.1:1/",
+        "http://0.0.0.0:8000/",
+    ):
         with pytest.raises(LoopbackOnly):
             parse_target(url)
     assert parse_target("http://localhost:9/").host == "127.0.0.1"
     assert parse_target("http://[::1]:9").path == "/v1/chat/completions"
     out = subprocess.run(
-        [sys.executable, "-m", "turnstile.bench.loadgen", "--url", "http://192.0.2.1:80/",
-         "--requests", "1"],
-        capture_output=True, timeout=LOADGEN_TIMEOUT_S, cwd=ROOT, check=False,
+        [
+            sys.executable,
+            "-m",
+            "turnstile.bench.loadgen",
+            "--url",
+            "http://192.0.2.1:80/",
+            "--requests",
+            "1",
+        ],
+        capture_output=True,
+        timeout=LOADGEN_TIMEOUT_S,
+        cwd=ROOT,
+        check=False,
     )
     assert out.returncode == 2 and b"loopback" in out.stderr
 
@@ -237,11 +258,19 @@ def test_thread_cpu_and_pinning() -> None:
 # -- nginx ----------------------------------------------------------------------------------
 def test_nginx_config_renders(tmp_path: Path) -> None:
     text = render_config(tmp_path, 18080, 18081)
-    for needle in ("daemon off;", "worker_processes 1;", "keepalive 256;",
-                   "proxy_http_version 1.1;", 'proxy_set_header Connection "";',
-                   "proxy_buffering off;", "access_log off;", "listen 127.0.0.1:18080;",
-                   "server 127.0.0.1:18081;", f"pid {tmp_path.resolve()}/nginx.pid;",
-                   f"error_log {tmp_path.resolve()}/error.log"):
+    for needle in (
+        "daemon off;",
+        "worker_processes 1;",
+        "keepalive 256;",
+        "proxy_http_version 1.1;",
+        'proxy_set_header Connection "";',
+        "proxy_buffering off;",
+        "access_log off;",
+        "listen 127.0.0.1:18080;",
+        "server 127.0.0.1:18081;",
+        f"pid {tmp_path.resolve()}/nginx.pid;",
+        f"error_log {tmp_path.resolve()}/error.log",
+    ):
         assert needle in text, needle
     for line in text.splitlines():
         if "_temp_path" in line:
@@ -258,9 +287,19 @@ def test_nginx_config_renders(tmp_path: Path) -> None:
 def backend(tmp_path: Path) -> Iterator[int]:
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "turnstile.bench.backend", "--port", str(port),
-         "--prompt-tokens", "20", "--completion-tokens", "10"],
-        cwd=ROOT, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "turnstile.bench.backend",
+            "--port",
+            str(port),
+            "--prompt-tokens",
+            "20",
+            "--completion-tokens",
+            "10",
+        ],
+        cwd=ROOT,
+        start_new_session=True,
     )
     try:
         assert wait_until(lambda: healthy(port), BACKEND_START_TIMEOUT_S)
@@ -278,9 +317,23 @@ def test_nginx_proxies_streams(tmp_path: Path, backend: int) -> None:
         for stream in ("--stream", "--no-stream"):
             out = tmp_path / "res.json"
             subprocess.run(
-                [sys.executable, "-m", "turnstile.bench.loadgen", "--url", server.url,
-                 "--concurrency", "4", "--requests", "20", stream, "--json-out", str(out)],
-                cwd=ROOT, timeout=LOADGEN_TIMEOUT_S, check=True,
+                [
+                    sys.executable,
+                    "-m",
+                    "turnstile.bench.loadgen",
+                    "--url",
+                    server.url,
+                    "--concurrency",
+                    "4",
+                    "--requests",
+                    "20",
+                    stream,
+                    "--json-out",
+                    str(out),
+                ],
+                cwd=ROOT,
+                timeout=LOADGEN_TIMEOUT_S,
+                check=True,
             )
             res = orjson.loads(out.read_bytes())
             assert (res["requests"], res["errors"]) == (20, 0), res
@@ -307,9 +360,22 @@ def test_quick_bench_end_to_end(tmp_path: Path) -> None:
     targets = ["direct", "turnstile"] + (["nginx"] if NGINX else [])
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "turnstile", "bench", "--quick", "--keep", "--json", str(out),
-         "--targets", ",".join(targets)],
-        cwd=ROOT, capture_output=True, timeout=QUICK_BENCH_TIMEOUT_S, check=False,
+        [
+            sys.executable,
+            "-m",
+            "turnstile",
+            "bench",
+            "--quick",
+            "--keep",
+            "--json",
+            str(out),
+            "--targets",
+            ",".join(targets),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        timeout=QUICK_BENCH_TIMEOUT_S,
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr.decode(errors="replace")[-3000:]
     report = orjson.loads(out.read_bytes())
@@ -357,8 +423,9 @@ def test_bench_without_nginx_skips_it_and_says_so(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(runner, "find_nginx", lambda: None)
     with pytest.raises(ValueError, match="not installed"):
         run_bench(BenchConfig(targets=["nginx"]), progress=False)
-    cfg = BenchConfig(rounds=1, duration_s=0.2, concurrency=[1], paced_streams=0,
-                      targets=["direct", "nginx"])
+    cfg = BenchConfig(
+        rounds=1, duration_s=0.2, concurrency=[1], paced_streams=0, targets=["direct", "nginx"]
+    )
     report = run_bench(cfg, progress=False)
     assert "not installed" in report["skipped"]["nginx"]
     assert report["targets"] == ["direct"]

@@ -73,19 +73,31 @@ def _has_compose_plugin() -> bool:
     docker = shutil.which("docker")
     if docker is None:
         return False
-    out = subprocess.run([docker, "compose", "version"], capture_output=True, check=False,
-                         timeout=COMPOSE_CONFIG_TIMEOUT_S)
+    out = subprocess.run(
+        [docker, "compose", "version"],
+        capture_output=True,
+        check=False,
+        timeout=COMPOSE_CONFIG_TIMEOUT_S,
+    )
     return out.returncode == 0
 
 
 if _has_compose_plugin():  # the schema check above runs everywhere; this one where it can
 
     def test_docker_compose_config_accepts_the_file() -> None:
-        env = {"VLLM_API_KEY": "x", "TURNSTILE_CLIENT_KEY": "y", "TURNSTILE_ADMIN_KEY": "z",
-               "PATH": "/usr/bin:/bin:/usr/local/bin"}
-        out = subprocess.run(["docker", "compose", "-f", str(COMPOSE), "config", "--quiet"],
-                             capture_output=True, env=env, check=False,
-                             timeout=COMPOSE_CONFIG_TIMEOUT_S)
+        env = {
+            "VLLM_API_KEY": "x",
+            "TURNSTILE_CLIENT_KEY": "y",
+            "TURNSTILE_ADMIN_KEY": "z",
+            "PATH": "/usr/bin:/bin:/usr/local/bin",
+        }
+        out = subprocess.run(
+            ["docker", "compose", "-f", str(COMPOSE), "config", "--quiet"],
+            capture_output=True,
+            env=env,
+            check=False,
+            timeout=COMPOSE_CONFIG_TIMEOUT_S,
+        )
         assert out.returncode == 0, out.stderr.decode()
 
 
@@ -104,7 +116,10 @@ def test_nginx_replica_config_is_valid_and_hashes_on_the_rollout(tmp_path: Path)
     conf = ROOT / "configs" / "nginx-replicas.conf"
     text = conf.read_text()
     assert "hash $turnstile_rollout consistent;" in text
-    out = subprocess.run([NGINX, "-t", "-c", str(conf), "-p", f"{tmp_path}/",
-                          "-e", str(tmp_path / "error.log")],
-                         capture_output=True, check=False, timeout=NGINX_TEST_TIMEOUT_S)
+    out = subprocess.run(
+        [NGINX, "-t", "-c", str(conf), "-p", f"{tmp_path}/", "-e", str(tmp_path / "error.log")],
+        capture_output=True,
+        check=False,
+        timeout=NGINX_TEST_TIMEOUT_S,
+    )
     assert out.returncode == 0, out.stderr.decode()

@@ -94,19 +94,35 @@ class Proxy:
     def __init__(self, backend: str, output: Path) -> None:
         self.port = _port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [sys.executable, "-m", "turnstile", "serve", "--backend", backend,
-                    "--output", str(output), "--port", str(self.port), "--log-level", "warning"]
+        self.cmd = [
+            sys.executable,
+            "-m",
+            "turnstile",
+            "serve",
+            "--backend",
+            backend,
+            "--output",
+            str(output),
+            "--port",
+            str(self.port),
+            "--log-level",
+            "warning",
+        ]
         # Small segments and frequent retention: segments are removed during every life.
-        self.env = {**os.environ, "TURNSTILE_SHARD_MAX_AGE_S": "0.3",
-                    "TURNSTILE_JOURNAL_SEGMENT_BYTES": "65536",
-                    "TURNSTILE_JOURNAL_RETENTION_INTERVAL_S": "0.1"}
+        self.env = {
+            **os.environ,
+            "TURNSTILE_SHARD_MAX_AGE_S": "0.3",
+            "TURNSTILE_JOURNAL_SEGMENT_BYTES": "65536",
+            "TURNSTILE_JOURNAL_RETENTION_INTERVAL_S": "0.1",
+        }
         self.log_path = output.parent / "proxy.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
         with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=subprocess.DEVNULL,
-                                         stderr=log)
+            self.proc = subprocess.Popen(
+                self.cmd, env=self.env, stdout=subprocess.DEVNULL, stderr=log
+            )
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             try:
@@ -122,8 +138,9 @@ class Proxy:
     def segments_removed(self) -> int:
         """Journal segments this life has removed so far (0 if it does not answer)."""
         try:
-            return int(httpx.get(self.url + "/stats", timeout=1).json()["journal"][
-                "segments_removed"])
+            return int(
+                httpx.get(self.url + "/stats", timeout=1).json()["journal"]["segments_removed"]
+            )
         except (httpx.HTTPError, KeyError, ValueError):
             return 0
 
@@ -188,8 +205,11 @@ def test_kill_9_loses_no_acknowledged_turn(backend_url: str, tmp_path: Path) -> 
                 with lock:
                     acked.add((rid, index))
                 turns += 1
-                messages = [*messages, {"role": "assistant", "content": text},
-                            {"role": "user", "content": f"more {turns}"}]
+                messages = [
+                    *messages,
+                    {"role": "assistant", "content": text},
+                    {"role": "user", "content": f"more {turns}"},
+                ]
             with contextlib.suppress(httpx.HTTPError):
                 httpx.post(f"{proxy.url}/rollouts/{rid}/finish", timeout=REQUEST_TIMEOUT_S)
             with lock:
@@ -219,8 +239,9 @@ def test_kill_9_loses_no_acknowledged_turn(backend_url: str, tmp_path: Path) -> 
     for table in ("turns", "samples", "rollouts"):
         for path in reader.files(table):
             check_shard(path, table)
-    turns = reader.turns(columns=["turn_id", "choice_index", "rollout_id", "turn_index",
-                                  "status"]).to_pylist()
+    turns = reader.turns(
+        columns=["turn_id", "choice_index", "rollout_id", "turn_index", "status"]
+    ).to_pylist()
     keys = [(t["turn_id"], t["choice_index"]) for t in turns]
     assert len(keys) == len(set(keys)), "a turn was written twice"
     recorded: dict[tuple[str, int], int] = {}
@@ -245,8 +266,9 @@ def test_kill_9_loses_no_acknowledged_turn(backend_url: str, tmp_path: Path) -> 
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "turnstile", *args], capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "turnstile", *args], capture_output=True, text=True, timeout=120
+    )
 
 
 def test_verify_and_recover_commands(backend_url: str, tmp_path: Path) -> None:
@@ -254,12 +276,15 @@ def test_verify_and_recover_commands(backend_url: str, tmp_path: Path) -> None:
     proxy = Proxy(backend_url, out)
     proxy.env["TURNSTILE_SHARD_MAX_AGE_S"] = "3600"  # nothing published before the kill
     proxy.start()
-    acked = [_turn(proxy.url, "v1", [{"role": "user", "content": "x"}], stream=s)[0]
-             for s in (False, True, False)]
+    acked = [
+        _turn(proxy.url, "v1", [{"role": "user", "content": "x"}], stream=s)[0]
+        for s in (False, True, False)
+    ]
     proxy.kill()
     before = _cli("verify", str(out))
     assert before.returncode == 1 and "3 journaled turns are not in published shards" in (
-        before.stdout), before.stdout
+        before.stdout
+    ), before.stdout
     assert _cli("recover", str(out)).returncode == 0
     after = _cli("verify", str(out))
     assert after.returncode == 0, after.stdout

@@ -54,22 +54,45 @@ class RandomVLLM:
             return FakeResponse(200, json_head, [b'{"object": "list", "data": []}'])
         assert self.draw is not None and body is not None
         d, parsed = self.draw, orjson.loads(body)
-        entries = [{"token": f"token_id:{t}", "logprob": lp, "bytes": None, "top_logprobs": []}
-                   for t, lp in zip(d.ids, d.logprobs, strict=True)]
+        entries = [
+            {"token": f"token_id:{t}", "logprob": lp, "bytes": None, "top_logprobs": []}
+            for t, lp in zip(d.ids, d.logprobs, strict=True)
+        ]
         text = "".join(f"<{t}>" for t in d.ids)
         if not parsed.get("stream"):
-            out = {"id": "x", "object": "chat.completion", "created": 1, "model": "m",
-                   "choices": [{"index": 0, "finish_reason": d.finish_reason,
-                                "stop_reason": None, "token_ids": d.ids,
-                                "message": {"role": "assistant", "content": text},
-                                "logprobs": {"content": entries}}],
-                   "prompt_token_ids": d.prompt_ids}
+            out = {
+                "id": "x",
+                "object": "chat.completion",
+                "created": 1,
+                "model": "m",
+                "choices": [
+                    {
+                        "index": 0,
+                        "finish_reason": d.finish_reason,
+                        "stop_reason": None,
+                        "token_ids": d.ids,
+                        "message": {"role": "assistant", "content": text},
+                        "logprobs": {"content": entries},
+                    }
+                ],
+                "prompt_token_ids": d.prompt_ids,
+            }
             return FakeResponse(200, json_head, [orjson.dumps(out)])
         events: list[dict[str, Any]] = [
-            {"id": "x", "object": "chat.completion.chunk", "model": "m",
-             "prompt_token_ids": d.prompt_ids,
-             "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                          "logprobs": None, "finish_reason": None}]}
+            {
+                "id": "x",
+                "object": "chat.completion.chunk",
+                "model": "m",
+                "prompt_token_ids": d.prompt_ids,
+                "choices": [
+                    {
+                        "index": 0,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ],
+            }
         ]
         start = 0
         for n, size in enumerate(d.groups):
@@ -77,12 +100,20 @@ class RandomVLLM:
             start += size
             last = n == len(d.groups) - 1
             events.append(
-                {"id": "x", "object": "chat.completion.chunk", "model": "m",
-                 "choices": [{"index": 0,
-                              "delta": {"content": "".join(f"<{t}>" for t in d.ids[part])},
-                              "logprobs": {"content": entries[part]},
-                              "token_ids": d.ids[part],
-                              "finish_reason": d.finish_reason if last else None}]}
+                {
+                    "id": "x",
+                    "object": "chat.completion.chunk",
+                    "model": "m",
+                    "choices": [
+                        {
+                            "index": 0,
+                            "delta": {"content": "".join(f"<{t}>" for t in d.ids[part])},
+                            "logprobs": {"content": entries[part]},
+                            "token_ids": d.ids[part],
+                            "finish_reason": d.finish_reason if last else None,
+                        }
+                    ],
+                }
             )
         raw = [b"data: " + orjson.dumps(e) + b"\n\n" for e in events] + [b"data: [DONE]\n\n"]
         return FakeResponse(200, {"Content-Type": "text/event-stream"}, raw)
@@ -104,8 +135,13 @@ def draws(draw: st.DrawFn) -> Draw:
         size = draw(st.integers(1, left))
         groups.append(size)
         left -= size
-    return Draw(draw(st.lists(int32s, min_size=1, max_size=60)), ids, logprobs, groups,
-                draw(st.sampled_from(["stop", "length"])))
+    return Draw(
+        draw(st.lists(int32s, min_size=1, max_size=60)),
+        ids,
+        logprobs,
+        groups,
+        draw(st.sampled_from(["stop", "length"])),
+    )
 
 
 def _recorded(sink: InMemorySink, rollout_id: str) -> TurnRecord:
@@ -122,25 +158,28 @@ def _recorded(sink: InMemorySink, rollout_id: str) -> TurnRecord:
 def test_recorded_tokens_and_logprobs_equal_what_the_backend_sent(tmp_path: Path) -> None:
     backend = RandomVLLM()
     sink = InMemorySink()
-    app = create_app(load_settings(None, {"output": tmp_path / "out"}, environ={}),
-                     backend=backend, sink=sink)  # type: ignore[arg-type]
+    app = create_app(
+        load_settings(None, {"output": tmp_path / "out"}, environ={}), backend=backend, sink=sink
+    )  # type: ignore[arg-type]
     with TestClient(app) as client:
 
-        @settings(max_examples=300, deadline=None,
-                  suppress_health_check=[HealthCheck.too_slow])
+        @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
         @given(draws(), st.booleans())
         def check(d: Draw, stream: bool) -> None:
             backend.draw = d
             rid = uuid.uuid4().hex
-            resp = client.post(f"/rollouts/{rid}/v1/chat/completions",
-                               json={**BODY, "stream": stream})
+            resp = client.post(
+                f"/rollouts/{rid}/v1/chat/completions", json={**BODY, "stream": stream}
+            )
             assert resp.status_code == 200
             turn = _recorded(sink, rid)
             assert turn.prompt_token_ids.tolist() == d.prompt_ids
             assert turn.completion_token_ids.tolist() == d.ids
             assert turn.behavior_logprobs.dtype == np.float32
-            assert turn.behavior_logprobs.tobytes() == np.asarray(
-                d.logprobs, dtype=np.float32).tobytes()
+            assert (
+                turn.behavior_logprobs.tobytes()
+                == np.asarray(d.logprobs, dtype=np.float32).tobytes()
+            )
             assert len(turn.behavior_logprobs) == len(turn.completion_token_ids)
             assert turn.finish_reason == d.finish_reason
 

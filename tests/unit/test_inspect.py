@@ -28,8 +28,11 @@ def _script(body: dict[str, Any]) -> Reply:
     if last == "cut":
         return Reply(text="partial answer", die_after_events=2)
     if last == "weather?":
-        call = {"id": "call_1", "type": "function",
-                "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+        call = {
+            "id": "call_1",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+        }
         return Reply(text="", tool_calls=[call])
     return Reply(text="hello")
 
@@ -40,8 +43,10 @@ def record_output(directory: Path) -> dict[str, str]:
     app = create_app(settings, backend=FakeVLLM(_script))
     ids: dict[str, str] = {}
     with TestClient(app) as c:
-        def chat(rid: str, messages: list[dict[str, Any]], version: int,
-                 stream: bool = False) -> dict[str, Any]:
+
+        def chat(
+            rid: str, messages: list[dict[str, Any]], version: int, stream: bool = False
+        ) -> dict[str, Any]:
             body = {"model": "m", "messages": messages, "max_tokens": 16, "stream": stream}
             headers = {"X-Turnstile-Policy-Version": str(version)}
             url = f"/rollouts/{rid}/v1/chat/completions"
@@ -53,23 +58,32 @@ def record_output(directory: Path) -> dict[str, str]:
             return dict(resp.json())
 
         # A clean two-turn rollout at version 0, with two rewards.
-        a = c.post("/rollouts", json={"group_id": "g1", "task_id": "t1",
-                                      "metadata": {"difficulty": "easy"}}).json()["rollout_id"]
+        a = c.post(
+            "/rollouts",
+            json={"group_id": "g1", "task_id": "t1", "metadata": {"difficulty": "easy"}},
+        ).json()["rollout_id"]
         m: list[dict[str, Any]] = [{"role": "user", "content": "2+2?"}]
         reply = chat(a, m, 0)["choices"][0]["message"]["content"]
         m += [{"role": "assistant", "content": reply}, {"role": "user", "content": "sure?"}]
         chat(a, m, 0)
-        c.post(f"/rollouts/{a}/rewards", json={"rewards": {"correct": 1.0, "format": 0.5},
-                                               "info": {"correct": "4 == 4"}})
+        c.post(
+            f"/rollouts/{a}/rewards",
+            json={"rewards": {"correct": 1.0, "format": 0.5}, "info": {"correct": "4 == 4"}},
+        )
         c.post(f"/rollouts/{a}/finish")
         ids["clean"] = a
         # Version 1: a tool call, its result, then a turn whose history was rewritten.
         b = c.post("/rollouts", json={"group_id": "g1"}).json()["rollout_id"]
         m = [{"role": "user", "content": "weather?"}]
         msg = chat(b, m, 1)["choices"][0]["message"]
-        m += [{"role": "assistant", "content": msg.get("content") or "",
-               "tool_calls": msg["tool_calls"]},
-              {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+        m += [
+            {
+                "role": "assistant",
+                "content": msg.get("content") or "",
+                "tool_calls": msg["tool_calls"],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        ]
         chat(b, m, 1)
         chat(b, [{"role": "user", "content": "rewritten history"}], 1)
         c.post(f"/rollouts/{b}/finish", json={"rewards": {"correct": 0.0}})
@@ -133,7 +147,8 @@ def test_rollout_view_shows_tokens_mask_and_the_break(
 
 
 def test_unknown_rollout_and_missing_directory(
-    recorded: tuple[Path, dict[str, str]], tmp_path: Path,
+    recorded: tuple[Path, dict[str, str]],
+    tmp_path: Path,
 ) -> None:
     out, _ = recorded
     assert _inspect([str(out), "--rollout", "nope"])[0] == 1

@@ -32,8 +32,9 @@ def scrape(client: TestClient) -> dict[tuple[str, tuple[tuple[str, str], ...]], 
     return out
 
 
-def value(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str,
-          **labels: str) -> float:
+def value(
+    samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str
+) -> float:
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
@@ -66,10 +67,8 @@ def test_turns_tokens_latency_and_requests_are_counted(make_app: MakeApp) -> Non
     assert value(m, "turnstile_call_duration_seconds_count", endpoint=ep, stream="false") == 2
     assert value(m, "turnstile_call_duration_seconds_count", endpoint=ep, stream="true") == 1
     assert value(m, "turnstile_time_to_first_token_seconds_count", endpoint=ep) == 1
-    assert value(m, "turnstile_http_requests_total", route="chat_completions",
-                 status="200") == 2
-    assert value(m, "turnstile_http_requests_total", route="chat_completions",
-                 status="400") == 1
+    assert value(m, "turnstile_http_requests_total", route="chat_completions", status="200") == 2
+    assert value(m, "turnstile_http_requests_total", route="chat_completions", status="400") == 1
     assert value(m, "turnstile_http_requests_total", route="finish", status="200") == 1
     assert value(m, "turnstile_backend_up") == 1
     assert value(m, "turnstile_turns_received_total") == 3
@@ -132,8 +131,9 @@ def test_json_logs_carry_request_and_rollout_ids(make_app: MakeApp) -> None:
         with TestClient(h.app) as client:
             headers = {"X-Request-Id": "req-42", "Authorization": "Bearer sekrit-key"}
             stream_body = {**CHAT, "stream": True}
-            with client.stream("POST", "/rollouts/ro-7/v1/chat/completions",
-                               json=stream_body, headers=headers) as resp:
+            with client.stream(
+                "POST", "/rollouts/ro-7/v1/chat/completions", json=stream_body, headers=headers
+            ) as resp:
                 assert resp.headers["x-request-id"] == "req-42"
                 resp.read()
     finally:
@@ -165,8 +165,12 @@ def test_bad_request_ids_are_replaced_and_bearer_tokens_redacted(make_app: MakeA
 def test_grafana_dashboard_uses_only_exposed_metrics(make_app: MakeApp) -> None:
     dashboard = Path(__file__).resolve().parents[2] / "configs" / "grafana-dashboard.json"
     panels = json.loads(dashboard.read_text(encoding="utf-8"))["panels"]
-    used = {name for p in panels for t in p["targets"]
-            for name in re.findall(r"turnstile_\w+", t["expr"])}
+    used = {
+        name
+        for p in panels
+        for t in p["targets"]
+        for name in re.findall(r"turnstile_\w+", t["expr"])
+    }
     h = make_app()
     with TestClient(h.app) as client:
         client.post("/v1/chat/completions", json={**CHAT, "stream": True})

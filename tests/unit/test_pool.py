@@ -46,19 +46,31 @@ def _serve(port: int) -> None:  # pragma: no cover - runs in the backend subproc
     async def chat(request: web.Request) -> web.Response:
         body = await request.json()
         ids = [port % 30000, 2]
-        return web.json_response({
-            "id": "chatcmpl-x", "object": "chat.completion", "created": 0,
-            "model": body.get("model", "m"), "prompt_token_ids": [1, 2, 3],
-            "choices": [{
-                "index": 0, "finish_reason": "stop", "stop_reason": None, "token_ids": ids,
-                "message": {"role": "assistant", "content": f"from {port}"},
-                "logprobs": {"content": [
-                    {"token": "x", "logprob": -0.5, "bytes": [120], "top_logprobs": []}
-                    for _ in ids
-                ]},
-            }],
-            "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
-        })
+        return web.json_response(
+            {
+                "id": "chatcmpl-x",
+                "object": "chat.completion",
+                "created": 0,
+                "model": body.get("model", "m"),
+                "prompt_token_ids": [1, 2, 3],
+                "choices": [
+                    {
+                        "index": 0,
+                        "finish_reason": "stop",
+                        "stop_reason": None,
+                        "token_ids": ids,
+                        "message": {"role": "assistant", "content": f"from {port}"},
+                        "logprobs": {
+                            "content": [
+                                {"token": "x", "logprob": -0.5, "bytes": [120], "top_logprobs": []}
+                                for _ in ids
+                            ]
+                        },
+                    }
+                ],
+                "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+            }
+        )
 
     app = web.Application()
     app.router.add_get("/health", health)
@@ -83,7 +95,8 @@ class Server:
         root = Path(__file__).resolve().parents[2]
         self.proc = subprocess.Popen(
             [sys.executable, "-c", f"from tests.unit.test_pool import _serve; _serve({self.port})"],
-            cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
+            cwd=root,
+            env={**os.environ, "PYTHONPATH": str(root)},
         )
         deadline = time.monotonic() + SERVER_START_TIMEOUT_S
         while time.monotonic() < deadline:
@@ -124,8 +137,11 @@ def test_killed_backend_fails_over_once_and_is_recorded(
 ) -> None:
     settings = load_settings(
         None,
-        {"backends": [s.url for s in servers], "output": tmp_path / "out",
-         "backend_health_interval_s": HEALTH_INTERVAL_S},
+        {
+            "backends": [s.url for s in servers],
+            "output": tmp_path / "out",
+            "backend_health_interval_s": HEALTH_INTERVAL_S,
+        },
         environ={},
     )
     sink = InMemorySink()
@@ -199,9 +215,13 @@ def test_per_model_groups_and_all_dead() -> None:
     pool = BackendPool({None: [a], "big": [b]})
 
     async def go() -> None:
-        resp = await pool.request("POST", "/v1/chat/completions",
-                                  b'{"model": "big", "messages": [{"role": "user", '
-                                  b'"content": "x"}]}', {}, affinity="r1")
+        resp = await pool.request(
+            "POST",
+            "/v1/chat/completions",
+            b'{"model": "big", "messages": [{"role": "user", "content": "x"}]}',
+            {},
+            affinity="r1",
+        )
         assert getattr(resp, "served_by", None) == "http://b"
         resp = await pool.request("GET", "/v1/models", None, {})
         assert getattr(resp, "served_by", None) == "http://a"

@@ -384,17 +384,24 @@ def test_sdk_retries_replay_the_answer_and_record_once(make_app: MakeApp, stream
     h = make_app()
     body = chat_body(stream=stream)
     with TestClient(h.app) as client:
-        first = client.post("/rollouts/r/v1/chat/completions", json=body,
-                            headers={"x-stainless-retry-count": "0"})
-        retry = client.post("/rollouts/r/v1/chat/completions", json=body,
-                            headers={"x-stainless-retry-count": "1"})
+        first = client.post(
+            "/rollouts/r/v1/chat/completions", json=body, headers={"x-stainless-retry-count": "0"}
+        )
+        retry = client.post(
+            "/rollouts/r/v1/chat/completions", json=body, headers={"x-stainless-retry-count": "1"}
+        )
         assert retry.content == first.content and retry.status_code == 200
         assert retry.headers["X-Turnstile-Replayed"] == "true"
-        other = client.post("/rollouts/r/v1/chat/completions", json=chat_body(stream=stream, n=2),
-                            headers={"x-stainless-retry-count": "1"})
+        other = client.post(
+            "/rollouts/r/v1/chat/completions",
+            json=chat_body(stream=stream, n=2),
+            headers={"x-stainless-retry-count": "1"},
+        )
         assert "X-Turnstile-Replayed" not in other.headers
-        keyed = [client.post("/v1/chat/completions", json=body,
-                             headers={"Idempotency-Key": "k1"}) for _ in range(2)]
+        keyed = [
+            client.post("/v1/chat/completions", json=body, headers={"Idempotency-Key": "k1"})
+            for _ in range(2)
+        ]
         assert keyed[0].content == keyed[1].content
         # without retry headers, identical prompts are separate samples (GRPO groups)
         client.post("/v1/chat/completions", json=body)
@@ -408,8 +415,16 @@ def test_retry_of_a_failed_call_is_a_new_call(make_app: MakeApp) -> None:
     replies = iter([Reply(status=500), Reply()])
     h = make_app(lambda body: next(replies))
     with TestClient(h.app) as client:
-        assert client.post("/v1/chat/completions", json=chat_body(),
-                           headers={"x-stainless-retry-count": "0"}).status_code == 500
-        assert client.post("/v1/chat/completions", json=chat_body(),
-                           headers={"x-stainless-retry-count": "1"}).status_code == 200
+        assert (
+            client.post(
+                "/v1/chat/completions", json=chat_body(), headers={"x-stainless-retry-count": "0"}
+            ).status_code
+            == 500
+        )
+        assert (
+            client.post(
+                "/v1/chat/completions", json=chat_body(), headers={"x-stainless-retry-count": "1"}
+            ).status_code
+            == 200
+        )
     assert sorted(t.status.value for t in h.sink.turns) == ["error", "ok"]

@@ -101,8 +101,12 @@ def test_published_segments_are_removed_while_running_and_recovery_still_works(
     backend = FakeVLLM()
     settings = load_settings(
         None,
-        {"output": out, "journal_segment_bytes": 4096, "journal_retention_interval_s": 0.05,
-         "shard_max_age_s": 0.05},
+        {
+            "output": out,
+            "journal_segment_bytes": 4096,
+            "journal_retention_interval_s": 0.05,
+            "shard_max_age_s": 0.05,
+        },
         environ={},
     )
     app = create_app(settings, backend=backend)  # the real Parquet sink
@@ -126,8 +130,7 @@ def test_published_segments_are_removed_while_running_and_recovery_still_works(
         assert usage["segments_removed"] > 0 and usage["segments"] >= 1
         # A crash now: the journal first, then the shards (which only grow meanwhile).
         shutil.copytree(out / "journal", snapshot / "journal")
-        shutil.copytree(out, snapshot, ignore=shutil.ignore_patterns("journal"),
-                        dirs_exist_ok=True)
+        shutil.copytree(out, snapshot, ignore=shutil.ignore_patterns("journal"), dirs_exist_ok=True)
         (snapshot / "journal" / "journal.lock").unlink(missing_ok=True)
 
     events = _journal_events(snapshot / "journal")

@@ -43,8 +43,13 @@ def fixture_bytes(name: str) -> bytes:
 class FakeSGLang:
     """Answers like an SGLang server, from the fixtures; records what it was sent."""
 
-    def __init__(self, *, generate: str = "generate_stream.sse", chat: str = "chat_nonstream.json",
-                 cut_generate_after: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        generate: str = "generate_stream.sse",
+        chat: str = "chat_nonstream.json",
+        cut_generate_after: int | None = None,
+    ) -> None:
         self.base_url = "http://fake-sglang"
         self.generate = generate
         self.chat = chat
@@ -52,7 +57,11 @@ class FakeSGLang:
         self.requests: list[tuple[str, str, Any]] = []
 
     async def request(
-        self, method: str, path: str, body: bytes | None, headers: Mapping[str, str],
+        self,
+        method: str,
+        path: str,
+        body: bytes | None,
+        headers: Mapping[str, str],
         affinity: str | None = None,
     ) -> FakeResponse:
         parsed = orjson.loads(body) if body else None
@@ -67,8 +76,9 @@ class FakeSGLang:
             return FakeResponse(200, json_h, [fixture_bytes("completions_tokens.json")])
         if path == "/generate":
             events = [e + b"\n\n" for e in fixture_bytes(self.generate).split(b"\n\n") if e]
-            return FakeResponse(200, {"Content-Type": "text/event-stream"}, events,
-                                die_after=self.cut)
+            return FakeResponse(
+                200, {"Content-Type": "text/event-stream"}, events, die_after=self.cut
+            )
         return FakeResponse(404, json_h, [b'{"error": "not found"}'])
 
     async def aclose(self) -> None:
@@ -129,8 +139,15 @@ def test_streamed_chat_goes_through_generate_with_exact_ids(
 ) -> None:
     fake, renderer = FakeSGLang(generate=fixture), Renderer()
     app, sink = make(tmp_path, fake, renderer)
-    body = {"model": "qwen3-tiny", "messages": USER, "stream": True, "max_tokens": 4,
-            "temperature": 0.7, "seed": 3, "stream_options": {"include_usage": True}}
+    body = {
+        "model": "qwen3-tiny",
+        "messages": USER,
+        "stream": True,
+        "max_tokens": 4,
+        "temperature": 0.7,
+        "seed": 3,
+        "stream_options": {"include_usage": True},
+    }
     with TestClient(app) as client:
         resp = client.post("/v1/chat/completions", json=body)
         assert resp.status_code == 200
@@ -161,8 +178,13 @@ def test_streamed_chat_goes_through_generate_with_exact_ids(
 
 def test_client_that_asks_for_ids_and_logprobs_gets_vllm_shaped_chunks(tmp_path: Path) -> None:
     app, _ = make(tmp_path, FakeSGLang(), Renderer())
-    body = {"model": "qwen3-tiny", "messages": USER, "stream": True, "logprobs": True,
-            "return_token_ids": True}
+    body = {
+        "model": "qwen3-tiny",
+        "messages": USER,
+        "stream": True,
+        "logprobs": True,
+        "return_token_ids": True,
+    }
     with TestClient(app) as client:
         chunks = sse_objects(client.post("/v1/chat/completions", json=body).content)
     assert chunks[0]["prompt_token_ids"] == PROMPT
@@ -233,8 +255,14 @@ def test_sglang_chat_stream_itself_carries_no_token_ids() -> None:
 
 
 def test_request_translation_and_stream_modes() -> None:
-    body = {"messages": USER, "return_token_ids": True, "return_tokens_as_token_ids": True,
-            "max_completion_tokens": 8, "top_logprobs": 2, "stop": ["\n"]}
+    body = {
+        "messages": USER,
+        "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
+        "max_completion_tokens": 8,
+        "top_logprobs": 2,
+        "stop": ["\n"],
+    }
     chat = translate_chat_request(body)
     assert chat["return_prompt_token_ids"] is True and "return_tokens_as_token_ids" not in chat
     gen = generate_request(chat, [1, 2])

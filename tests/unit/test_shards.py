@@ -48,10 +48,13 @@ def _strays(out: Path) -> list[Path]:
     """Everything under `out` that is neither a directory, a published shard nor a
     writer's manifest (`_manifests/<writer_id>.json`; its temp files are strays)."""
     return [
-        p for p in out.rglob("*")
-        if p.is_file() and not NAME.fullmatch(p.name)
-        and not (p.parent.name == "_manifests" and p.suffix == ".json"
-                 and not p.name.startswith("."))
+        p
+        for p in out.rglob("*")
+        if p.is_file()
+        and not NAME.fullmatch(p.name)
+        and not (
+            p.parent.name == "_manifests" and p.suffix == ".json" and not p.name.startswith(".")
+        )
     ]
 
 
@@ -305,8 +308,9 @@ def test_a_manifest_lost_in_a_crash_is_rebuilt_at_start_up(tmp_path: Path) -> No
     sink.write_turns([make_turn("r", i) for i in range(4)])
     published = _own_shards(tmp_path, "replica-a")
     # A crash between a publish and the manifest rewrite: the manifest lags the shards.
-    sink.manifest_path.write_text(json.dumps({"manifest_version": 1,
-                                              "writer_id": "replica-a", "shards": []}))
+    sink.manifest_path.write_text(
+        json.dumps({"manifest_version": 1, "writer_id": "replica-a", "shards": []})
+    )
     restarted = _sink(tmp_path, "replica-a", max_rows=2)
     assert _manifest_names(restarted) == published
 

@@ -206,15 +206,32 @@ def test_json_schema(qwen3_report: AuditReport) -> None:
     assert data["schema"] == JSON_SCHEMA
     assert data["tito_safe"] is False and data["reasons"]
     assert set(data) >= {
-        "tokenizer", "template_source", "template_sha256", "chat_template_kwargs",
-        "vllm_messages", "warnings", "fixes", "kinds", "stop_token_ids", "generation_prompt",
+        "tokenizer",
+        "template_source",
+        "template_sha256",
+        "chat_template_kwargs",
+        "vllm_messages",
+        "warnings",
+        "fixes",
+        "kinds",
+        "stop_token_ids",
+        "generation_prompt",
         "conversations",
     }
     kind = data["kinds"]["assistant.reasoning_content"]
     assert kind["prefix_preserving"] is False and kind["status"] == "fail"
     assert set(kind["break"]) >= {
-        "conversation", "level", "trigger", "changed", "char_index", "earlier", "later",
-        "token_index", "earlier_tokens", "later_tokens", "description",
+        "conversation",
+        "level",
+        "trigger",
+        "changed",
+        "char_index",
+        "earlier",
+        "later",
+        "token_index",
+        "earlier_tokens",
+        "later_tokens",
+        "description",
     }
     assert kind["end_of_turn"]["marker"] == "<|im_end|>"
     assert data["kinds"]["tool"]["break"] is None

@@ -44,12 +44,22 @@ def _tokenizer_dir(name: str) -> Path:
 def _state(messages: list[dict[str, Any]], reply: dict[str, Any]) -> TurnState:
     import numpy as np
 
-    return TurnState(tuple(messages), reply, canonical(None), canonical(None),
-                     np.arange(5, dtype=np.int32), np.arange(3, dtype=np.int32), "stop")
+    return TurnState(
+        tuple(messages),
+        reply,
+        canonical(None),
+        canonical(None),
+        np.arange(5, dtype=np.int32),
+        np.arange(3, dtype=np.int32),
+        "stop",
+    )
 
 
-CALL = {"id": "c1", "type": "function",
-        "function": {"name": "search", "arguments": '{"query": "x", "limit": 1.0}'}}
+CALL = {
+    "id": "c1",
+    "type": "function",
+    "function": {"name": "search", "arguments": '{"query": "x", "limit": 1.0}'},
+}
 USER = {"role": "user", "content": "hi"}
 
 
@@ -58,24 +68,55 @@ def test_match_extends_the_state_whose_reply_the_harness_sent_back() -> None:
     reply = {"role": "assistant", "content": "", "tool_calls": [CALL], "reasoning": "hmm"}
     state = _state([USER], reply)
     # Re-serialised arguments, a new call id, reasoning left out, None for "": all the same.
-    sent = {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "other", "type": "function",
-         "function": {"name": "search", "arguments": '{"limit":1.0,"query":"x"}'}}]}
-    found = match([state], [USER, sent, {"role": "tool", "tool_call_id": "c1", "content": "r"}],
-                  canonical(None), canonical(None))
+    sent = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "other",
+                "type": "function",
+                "function": {"name": "search", "arguments": '{"limit":1.0,"query":"x"}'},
+            }
+        ],
+    }
+    found = match(
+        [state],
+        [USER, sent, {"role": "tool", "tool_call_id": "c1", "content": "r"}],
+        canonical(None),
+        canonical(None),
+    )
     assert found.kind == "extend" and found.state is state
 
 
 @pytest.mark.parametrize(
     ("messages", "why"),
     [
-        ([{"role": "user", "content": "hello"}, {"role": "assistant", "content": ""},
-          USER], "message 0 (user) was changed"),
-        ([USER, {"role": "assistant", "content": "", "tool_calls": [
-            {**CALL, "function": {"name": "search", "arguments": '{"query": "y"}'}}]}, USER],
-         "tool calls differ"),
-        ([USER, {"role": "assistant", "content": "", "tool_calls": [CALL],
-                 "reasoning": "other"}, USER], "reasoning differs"),
+        (
+            [{"role": "user", "content": "hello"}, {"role": "assistant", "content": ""}, USER],
+            "message 0 (user) was changed",
+        ),
+        (
+            [
+                USER,
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [
+                        {**CALL, "function": {"name": "search", "arguments": '{"query": "y"}'}}
+                    ],
+                },
+                USER,
+            ],
+            "tool calls differ",
+        ),
+        (
+            [
+                USER,
+                {"role": "assistant", "content": "", "tool_calls": [CALL], "reasoning": "other"},
+                USER,
+            ],
+            "reasoning differs",
+        ),
         ([USER, USER], "expected the assistant message"),
     ],
 )
@@ -89,8 +130,12 @@ def test_match_reports_a_rewrite_and_where(messages: list[dict[str, Any]], why: 
 def test_match_finds_repeats_and_changed_tools() -> None:
     state = _state([USER], {"role": "assistant", "content": "a"})
     assert match([state], [USER], canonical(None), canonical(None)).kind == "repeat"
-    other_tools = match([state], [USER, {"role": "assistant", "content": "a"}, USER],
-                        canonical(TOOLS), canonical(None))
+    other_tools = match(
+        [state],
+        [USER, {"role": "assistant", "content": "a"}, USER],
+        canonical(TOOLS),
+        canonical(None),
+    )
     assert other_tools.kind == "rewrite" and "tools" in other_tools.detail
     assert match([], [USER], canonical(None), canonical(None)).kind == "first"
     assert same_reply({"role": "assistant", "content": "a "}, {"content": "a"}) is not None
@@ -100,16 +145,22 @@ def test_match_finds_repeats_and_changed_tools() -> None:
 def test_delta_continues_the_whole_rendering_token_for_token(assets: Path) -> None:
     hf = load_tokenizer(_tokenizer_dir(QWEN25))
     renderer = TemplateRenderer(hf, (assets / "templates" / QWEN25).read_text())
-    history = [{"role": "system", "content": "sys"}, USER,
-               {"role": "assistant", "content": "", "tool_calls": [CALL]}]
-    messages = [*history, {"role": "tool", "tool_call_id": "c1", "content": "{\"k\": 1.00}"},
-                {"role": "user", "content": "  and then?  "}]
+    history = [
+        {"role": "system", "content": "sys"},
+        USER,
+        {"role": "assistant", "content": "", "tool_calls": [CALL]},
+    ]
+    messages = [
+        *history,
+        {"role": "tool", "tool_call_id": "c1", "content": '{"k": 1.00}'},
+        {"role": "user", "content": "  and then?  "},
+    ]
     first, _ = renderer.prompt(history[:-1], TOOLS, None)
     whole_turn = renderer.encode(renderer.render(history, TOOLS, None, False))
     delta = renderer.delta(history, messages, TOOLS, None)
     assert delta.history_preserved and delta.end_of_turn_id == IM_END
     # The sampled turn is the template's own (canonical) rendering up to <|im_end|>.
-    sampled = whole_turn[len(first): whole_turn.index(IM_END, len(first)) + 1]
+    sampled = whole_turn[len(first) : whole_turn.index(IM_END, len(first)) + 1]
     full, _ = renderer.prompt(messages, TOOLS, None)
     assert first + sampled + delta.ids == full
     assert delta.text.startswith("\n<|im_start|>user\n<tool_response>")
@@ -121,11 +172,16 @@ class Tito:
         self.server, self.sim, self.out = server, sim, out
 
     def client(self, rollout: str) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.server.url}/rollouts/{rollout}/v1", api_key="k",
-                             max_retries=0)
+        return openai.OpenAI(
+            base_url=f"{self.server.url}/rollouts/{rollout}/v1", api_key="k", max_retries=0
+        )
 
-    def plan(self, history: list[dict[str, Any]], assistant: dict[str, Any],
-             tools: list[dict[str, Any]] | None = TOOLS) -> list[int]:
+    def plan(
+        self,
+        history: list[dict[str, Any]],
+        assistant: dict[str, Any],
+        tools: list[dict[str, Any]] | None = TOOLS,
+    ) -> list[int]:
         return self.sim.sample(history, assistant, "none", tools)
 
 
@@ -135,15 +191,25 @@ def tito(tmp_path: Path, live: Callable[[Any], LiveServer]) -> Iterator[Callable
         tokenizer_dir = _tokenizer_dir(template)
         path = ensure_llama_cpp_assets(log=lambda _: None) / "templates" / template
         hf = load_tokenizer(tokenizer_dir)
-        settings = load_settings(None, {"output": tmp_path / "out", "tokenizer": tokenizer_dir,
-                                        "mode": "tito", "chat_template": path,
-                                        "shard_max_age_s": 0.05, **overrides}, environ={})
+        settings = load_settings(
+            None,
+            {
+                "output": tmp_path / "out",
+                "tokenizer": tokenizer_dir,
+                "mode": "tito",
+                "chat_template": path,
+                "shard_max_age_s": 0.05,
+                **overrides,
+            },
+            environ={},
+        )
         text = path.read_text()
         sim = SimulatedModel(TemplateRenderer(hf, text), parser_for_template(text))
         app = create_app(settings, backend=sim)
         engine = app.state.proxy.tito
-        sim.renderer = TemplateRenderer(hf, engine.renderer.template,
-                                        engine.renderer.default_kwargs)
+        sim.renderer = TemplateRenderer(
+            hf, engine.renderer.template, engine.renderer.default_kwargs
+        )
         return Tito(live(app), sim, tmp_path / "out")
 
     yield _start
@@ -170,8 +236,11 @@ def test_tito_tool_turns_stitch_into_one_exact_sample(tito: Callable[..., Tito])
     t = tito()
     client = t.client("r1")
     messages: list[dict[str, Any]] = [{"role": "user", "content": "find x"}]
-    call = {"id": "call_0", "type": "function",
-            "function": {"name": "search", "arguments": '{"query": "x"}'}}
+    call = {
+        "id": "call_0",
+        "type": "function",
+        "function": {"name": "search", "arguments": '{"query": "x"}'},
+    }
     t.plan(messages, {"role": "assistant", "content": "", "tool_calls": [call]})
     r = client.chat.completions.create(model="m", messages=messages, tools=TOOLS)
     choice = r.choices[0]
@@ -179,12 +248,12 @@ def test_tito_tool_turns_stitch_into_one_exact_sample(tito: Callable[..., Tito])
     assert choice.message.tool_calls and choice.message.tool_calls[0].function.name == "search"
     assert json.loads(choice.message.tool_calls[0].function.arguments) == {"query": "x"}
     assert not hasattr(choice, "token_ids") or choice.token_ids is None  # stripped
-    messages += [choice.message.model_dump(exclude_none=True),
-                 {"role": "tool", "tool_call_id": choice.message.tool_calls[0].id,
-                  "content": "found"}]
+    messages += [
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": choice.message.tool_calls[0].id, "content": "found"},
+    ]
     t.plan(messages, {"role": "assistant", "content": "It is found."})
-    stream = client.chat.completions.create(model="m", messages=messages, tools=TOOLS,
-                                            stream=True)
+    stream = client.chat.completions.create(model="m", messages=messages, tools=TOOLS, stream=True)
     parts, finish = [], None
     for chunk in stream:
         if chunk.choices:
@@ -200,8 +269,10 @@ def test_tito_tool_turns_stitch_into_one_exact_sample(tito: Callable[..., Tito])
     last = turns[-1]
     assert sample["input_ids"] == last["prompt_token_ids"] + last["completion_token_ids"]
     first = turns[0]
-    assert last["prompt_token_ids"][: first["num_prompt_tokens"] + first[
-        "num_completion_tokens"]] == first["prompt_token_ids"] + first["completion_token_ids"]
+    assert (
+        last["prompt_token_ids"][: first["num_prompt_tokens"] + first["num_completion_tokens"]]
+        == first["prompt_token_ids"] + first["completion_token_ids"]
+    )
     stats = httpx.get(f"{t.server.url}/stats").json()
     assert stats["mode"] == "tito" and stats["tito"]["extended"] == 1
 
@@ -213,14 +284,19 @@ def test_tito_rewrite_splits_with_lineage(tito: Callable[..., Tito]) -> None:
     t.plan(messages, {"role": "assistant", "content": "Hi."}, None)
     r = client.chat.completions.create(model="m", messages=messages)
     # The harness compacts: it rewrites the assistant's reply before going on.
-    messages = [*messages, {"role": "assistant", "content": "(compacted)"},
-                {"role": "user", "content": "go on"}]
+    messages = [
+        *messages,
+        {"role": "assistant", "content": "(compacted)"},
+        {"role": "user", "content": "go on"},
+    ]
     t.plan(messages, {"role": "assistant", "content": "OK."}, None)
     r = client.chat.completions.create(model="m", messages=messages)
     assert r.choices[0].message.content == "OK."
     samples, _ = _finish_and_read(t, "r2")
     assert [s["break_kind"] for s in sorted(samples, key=lambda s: s["sample_index"])] == [
-        "first", "history_rewritten"]
+        "first",
+        "history_rewritten",
+    ]
     assert samples[-1]["parent_sample_index"] == 0 if samples[-1]["sample_index"] else True
     assert httpx.get(f"{t.server.url}/stats").json()["tito"]["split"] == 1
 
@@ -231,22 +307,26 @@ def test_tito_refuse_policy_answers_409_with_where(tito: Callable[..., Tito]) ->
     messages: list[dict[str, Any]] = [{"role": "user", "content": "hello"}]
     t.plan(messages, {"role": "assistant", "content": "Hi."}, None)
     client.chat.completions.create(model="m", messages=messages)
-    edited = [{"role": "user", "content": "HELLO"}, {"role": "assistant", "content": "Hi."},
-              {"role": "user", "content": "more"}]
+    edited = [
+        {"role": "user", "content": "HELLO"},
+        {"role": "assistant", "content": "Hi."},
+        {"role": "user", "content": "more"},
+    ]
     with pytest.raises(openai.ConflictError) as info:
         client.chat.completions.create(model="m", messages=edited)
     assert "message 0 (user) was changed" in str(info.value)
     assert len(t.sim.prompts) == 1  # nothing reached the backend
 
 
-@pytest.mark.parametrize(("extra", "param"), [({"n": 2}, "n"),
-                                              ({"tool_choice": "required"}, "tool_choice")])
-def test_tito_rejects_what_it_cannot_honour(tito: Callable[..., Tito], extra: dict[str, Any],
-                                            param: str) -> None:
+@pytest.mark.parametrize(
+    ("extra", "param"), [({"n": 2}, "n"), ({"tool_choice": "required"}, "tool_choice")]
+)
+def test_tito_rejects_what_it_cannot_honour(
+    tito: Callable[..., Tito], extra: dict[str, Any], param: str
+) -> None:
     t = tito()
     with pytest.raises(openai.UnprocessableEntityError) as info:
-        t.client("r4").chat.completions.create(
-            model="m", messages=[USER], tools=TOOLS, **extra)  # type: ignore[call-overload]
+        t.client("r4").chat.completions.create(model="m", messages=[USER], tools=TOOLS, **extra)  # type: ignore[call-overload]
     assert param in str(info.value)
 
 
@@ -254,8 +334,12 @@ def test_a_template_failing_the_audit_is_refused_unless_allowed(tmp_path: Path) 
     # Phi-3.5's template does not render tool calls: no fix is known.
     name = "microsoft-Phi-3.5-mini-instruct.jinja"
     path = ensure_llama_cpp_assets(log=lambda _: None) / "templates" / name
-    base = {"output": tmp_path / "o", "tokenizer": _tokenizer_dir(name), "mode": "tito",
-            "chat_template": path}
+    base = {
+        "output": tmp_path / "o",
+        "tokenizer": _tokenizer_dir(name),
+        "mode": "tito",
+        "chat_template": path,
+    }
     from tests.fakes_backend import FakeVLLM
     from turnstile.tito.templates import audit_template
 
@@ -264,8 +348,9 @@ def test_a_template_failing_the_audit_is_refused_unless_allowed(tmp_path: Path) 
         pytest.fail(f"{name} was expected to fail the audit")
     with pytest.raises(SettingsError, match="not safe for TITO mode"):
         create_app(load_settings(None, base, environ={}), backend=FakeVLLM())
-    app = create_app(load_settings(None, {**base, "allow_unsafe_template": True}, environ={}),
-                     backend=FakeVLLM())
+    app = create_app(
+        load_settings(None, {**base, "allow_unsafe_template": True}, environ={}), backend=FakeVLLM()
+    )
     assert app.state.proxy.tito is not None
 
 

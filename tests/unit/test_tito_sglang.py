@@ -28,8 +28,7 @@ IM_END = 151645
 class _Resp:
     body: bytes
     status: int = 200
-    headers: Mapping[str, str] = field(default_factory=lambda: {"Content-Type":
-                                                                "application/json"})
+    headers: Mapping[str, str] = field(default_factory=lambda: {"Content-Type": "application/json"})
 
     async def read(self) -> bytes:
         return self.body
@@ -50,24 +49,40 @@ class FakeSGLang:
     base_url: str = "http://sglang"
     requests: list[dict[str, Any]] = field(default_factory=list)
 
-    async def request(self, method: str, path: str, body: bytes | None,
-                      headers: Mapping[str, str]) -> _Resp:
+    async def request(
+        self, method: str, path: str, body: bytes | None, headers: Mapping[str, str]
+    ) -> _Resp:
         assert path == "/v1/completions", path
         req = orjson.loads(body or b"{}")
         self.requests.append(req)
         ids = self.plan
-        return _Resp(orjson.dumps({
-            "id": "c0ffee", "object": "text_completion", "created": 1, "model": "qwen",
-            "choices": [{
-                "index": 0, "text": self.tokenizer.decode(ids[:-1]),
-                "logprobs": {"text_offset": [0] * len(ids),
-                             "token_logprobs": [-0.5] * len(ids),
-                             "tokens": [self.tokenizer.decode([t]) for t in ids],
-                             "top_logprobs": [None] * len(ids)},
-                "finish_reason": "stop", "matched_stop": IM_END,
-                "token_ids": ids, "prompt_token_ids": req["prompt"]}],
-            "usage": {"prompt_tokens": len(req["prompt"]), "completion_tokens": len(ids)},
-        }))
+        return _Resp(
+            orjson.dumps(
+                {
+                    "id": "c0ffee",
+                    "object": "text_completion",
+                    "created": 1,
+                    "model": "qwen",
+                    "choices": [
+                        {
+                            "index": 0,
+                            "text": self.tokenizer.decode(ids[:-1]),
+                            "logprobs": {
+                                "text_offset": [0] * len(ids),
+                                "token_logprobs": [-0.5] * len(ids),
+                                "tokens": [self.tokenizer.decode([t]) for t in ids],
+                                "top_logprobs": [None] * len(ids),
+                            },
+                            "finish_reason": "stop",
+                            "matched_stop": IM_END,
+                            "token_ids": ids,
+                            "prompt_token_ids": req["prompt"],
+                        }
+                    ],
+                    "usage": {"prompt_tokens": len(req["prompt"]), "completion_tokens": len(ids)},
+                }
+            )
+        )
 
     async def aclose(self) -> None:
         return None
@@ -80,8 +95,13 @@ async def test_tito_through_the_sglang_adapter_extends_token_for_token() -> None
     engine = build_engine(SGLangBackend(fake), hf, template_path=template)
     messages: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
     fake.plan = [*hf.encode("Hello there!", add_special_tokens=False), IM_END]
-    body = {"model": "qwen", "messages": messages, "return_token_ids": True,
-            "logprobs": True, "return_tokens_as_token_ids": True}
+    body = {
+        "model": "qwen",
+        "messages": messages,
+        "return_token_ids": True,
+        "logprobs": True,
+        "return_tokens_as_token_ids": True,
+    }
     first = orjson.loads(await (await engine.request("r", dict(body))).read())
     assert first["choices"][0]["message"]["content"] == "Hello there!"
     assert first["choices"][0]["token_ids"] == fake.plan
@@ -89,8 +109,10 @@ async def test_tito_through_the_sglang_adapter_extends_token_for_token() -> None
     sent = fake.requests[0]
     assert "return_tokens_as_token_ids" not in sent and sent["return_token_ids"] is True
     context = sent["prompt"] + fake.plan
-    messages += [{"role": "assistant", "content": "Hello there!"},
-                 {"role": "user", "content": "again"}]
+    messages += [
+        {"role": "assistant", "content": "Hello there!"},
+        {"role": "user", "content": "again"},
+    ]
     fake.plan = [*hf.encode("Hi!", add_special_tokens=False), IM_END]
     second = orjson.loads(await (await engine.request("r", {**body, "messages": messages})).read())
     assert second["choices"][0]["message"]["content"] == "Hi!"

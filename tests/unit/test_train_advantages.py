@@ -40,7 +40,8 @@ def test_two_groups_where_grpo_cannot_tell_them_apart_but_gdpo_can() -> None:
     )
     np.testing.assert_allclose(
         adv.gdpo_advantages(rewards, groups, normalize_batch=False),
-        [-0.7071, 0.7071, -1.4142, 1.4142], atol=TOL,
+        [-0.7071, 0.7071, -1.4142, 1.4142],
+        atol=TOL,
     )
 
 
@@ -53,7 +54,8 @@ def test_nan_rewards_count_as_zero_and_singletons_get_zero() -> None:
     assert adv.grpo_advantages([3.0], ["alone"]).tolist() == [0.0]
     # a reward constant within its group contributes nothing
     assert adv.gdpo_reward_advantages([[1.0, 2.0], [1.0, 3.0]], ["g", "g"])[:, 0].tolist() == [
-        0.0, 0.0,
+        0.0,
+        0.0,
     ]
 
 
@@ -109,8 +111,9 @@ def test_mrtpo_with_constant_relevance_equals_gdpo() -> None:
         np.testing.assert_allclose(before[i], np.full(n, gdpo_before[i]), atol=1e-9)
         np.testing.assert_allclose(after[i], np.full(n, gdpo_after[i]), atol=1e-9)
     # a reward without relevance (no verifier info) is spread uniformly
-    none = adv.mrtpo_batch(per, [[None, None] for _ in lengths], normalize_batch=False,
-                           num_tokens=lengths)
+    none = adv.mrtpo_batch(
+        per, [[None, None] for _ in lengths], normalize_batch=False, num_tokens=lengths
+    )
     for i in range(len(lengths)):
         np.testing.assert_allclose(none[i], before[i])
 
@@ -125,14 +128,19 @@ def test_spread_over_mask_aligns_with_the_loss_mask() -> None:
 
 @settings(max_examples=60, deadline=None)
 @given(
-    arrays(np.float64, st.tuples(st.integers(2, 12), st.integers(1, 3)),
-           elements=st.floats(-5, 5, allow_nan=False)),
+    arrays(
+        np.float64,
+        st.tuples(st.integers(2, 12), st.integers(1, 3)),
+        elements=st.floats(-5, 5, allow_nan=False),
+    ),
     st.integers(1, 4),
 )
 def test_group_advantages_are_centred_in_every_group(rewards: np.ndarray, n_groups: int) -> None:
     groups = [i % n_groups for i in range(rewards.shape[0])]
-    for a in (adv.grpo_advantages(rewards, groups),
-              adv.gdpo_advantages(rewards, groups, normalize_batch=False)):
+    for a in (
+        adv.grpo_advantages(rewards, groups),
+        adv.gdpo_advantages(rewards, groups, normalize_batch=False),
+    ):
         assert a.shape == (rewards.shape[0],) and np.isfinite(a).all()
         for g in set(groups):
             assert abs(a[np.array(groups) == g].sum()) < 1e-6
@@ -143,7 +151,8 @@ def test_group_advantages_are_centred_in_every_group(rewards: np.ndarray, n_grou
 @settings(max_examples=60, deadline=None)
 @given(
     arrays(np.float64, st.integers(1, 30), elements=st.floats(0, 0.7, allow_nan=False)),
-    st.floats(0, 1), st.floats(0.1, 10),
+    st.floats(0, 1),
+    st.floats(0.1, 10),
 )
 def test_mrtpo_weights_always_sum_to_the_length(d: np.ndarray, floor: float, temp: float) -> None:
     w = adv.mrtpo_token_weights(d, floor=floor, temperature=temp)
@@ -162,8 +171,14 @@ def test_the_numpy_parts_import_without_torch() -> None:
         "from turnstile.train import gdpo_advantages\n"
         "print(round(float(gdpo_advantages([[1, 0], [0, 1], [0, 0]], [0, 0, 0])[0]), 3))\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=IMPORT_TIMEOUT_S, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=IMPORT_TIMEOUT_S,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == str(
-        round(float(adv.gdpo_advantages([[1, 0], [0, 1], [0, 0]], [0, 0, 0])[0]), 3))
+        round(float(adv.gdpo_advantages([[1, 0], [0, 1], [0, 0]], [0, 0, 0])[0]), 3)
+    )

@@ -31,13 +31,23 @@ def record(
     mask = np.array([0] * len(prompt) + [1] * len(completion), dtype=np.int8)
     logp = np.where(mask > 0, -1.0 - 0.01 * np.arange(ids.size), np.nan).astype(np.float32)
     return SampleRecord(
-        rollout_id=rollout_id, sample_index=0, group_id=group_id, task_id="t",
-        input_ids=ids, loss_mask=mask, behavior_logprobs=logp,
+        rollout_id=rollout_id,
+        sample_index=0,
+        group_id=group_id,
+        task_id="t",
+        input_ids=ids,
+        loss_mask=mask,
+        behavior_logprobs=logp,
         turn_spans=[TurnSpan(0, 0, 0, len(prompt), ids.size)],
         rewards=[Reward(k, v, (info or {}).get(k)) for k, v in rewards.items()],
-        policy_versions=[version], token_source=TokenSource.BACKEND, rollout_status=status,
-        break_kind=BreakKind.FIRST, break_position=None, break_detail=None,
-        parent_sample_index=None, turn_statuses=["ok"],
+        policy_versions=[version],
+        token_source=TokenSource.BACKEND,
+        rollout_status=status,
+        break_kind=BreakKind.FIRST,
+        break_position=None,
+        break_detail=None,
+        parent_sample_index=None,
+        turn_statuses=["ok"],
     )
 
 
@@ -48,13 +58,23 @@ def write_shard(output: Path, records: Sequence[SampleRecord], writer: str = "w"
     sink.close()
 
 
-def group_records(group: str, rewards: Sequence[tuple[float, float]], version: int = 0,
-                  lengths: Sequence[int] | None = None) -> list[SampleRecord]:
+def group_records(
+    group: str,
+    rewards: Sequence[tuple[float, float]],
+    version: int = 0,
+    lengths: Sequence[int] | None = None,
+) -> list[SampleRecord]:
     lengths = lengths or [3] * len(rewards)
     return [
-        record(f"{group}-{i}", group, [1, 2], list(range(10, 10 + n)),
-               {"correct": r[0], "format": r[1]}, version,
-               info={"correct": f"verdict {i}"})
+        record(
+            f"{group}-{i}",
+            group,
+            [1, 2],
+            list(range(10, 10 + n)),
+            {"correct": r[0], "format": r[1]},
+            version,
+            info={"correct": f"verdict {i}"},
+        )
         for i, (r, n) in enumerate(zip(rewards, lengths, strict=True))
     ]
 
@@ -79,8 +99,9 @@ def test_samples_read_back_exactly(tmp_path: Path) -> None:
 
 
 def test_pad_batch_aligns_everything_with_the_mask(tmp_path: Path) -> None:
-    write_shard(tmp_path, group_records("g", [(1, 0), (1, 0), (0, 1), (0, 0)],
-                                        lengths=[1, 2, 3, 4]))
+    write_shard(
+        tmp_path, group_records("g", [(1, 0), (1, 0), (0, 1), (0, 0)], lengths=[1, 2, 3, 4])
+    )
     samples = load(tmp_path)
     a = batches.assign_grpo(samples, ["correct", "format"])
     np.testing.assert_allclose(a, [0.5, 0.5, 0.5, -1.5], atol=1e-3)
@@ -118,11 +139,14 @@ def test_pack_batch_restarts_positions_and_marks_boundaries(tmp_path: Path) -> N
 
 
 def test_mrtpo_on_samples_uses_relevance_and_keeps_the_total(tmp_path: Path) -> None:
-    write_shard(tmp_path, group_records("g", [(1, 0), (1, 0), (0, 1), (0, 0)],
-                                        lengths=[4, 4, 4, 4]))
+    write_shard(
+        tmp_path, group_records("g", [(1, 0), (1, 0), (0, 1), (0, 0)], lengths=[4, 4, 4, 4])
+    )
     samples = load(tmp_path)
-    relevance = {("g-0", 0, "correct"): np.array([0.01, 0.30, 0.05, 0.04]),
-                 ("g-0", 0, "format"): np.array([0.20, 0.01, 0.01, 0.18])}
+    relevance = {
+        ("g-0", 0, "correct"): np.array([0.01, 0.30, 0.05, 0.04]),
+        ("g-0", 0, "format"): np.array([0.20, 0.01, 0.01, 0.18]),
+    }
     tokens = batches.assign_mrtpo(samples, relevance, ["correct", "format"])
     gdpo = batches.assign_gdpo(load(tmp_path), ["correct", "format"])
     for i, t in enumerate(tokens):

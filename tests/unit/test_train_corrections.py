@@ -115,24 +115,30 @@ def test_future_kl_cost_and_shaped_advantages() -> None:
     bounded = losses.future_kl_cost(delta, ref, mask, bound=0.45)
     np.testing.assert_allclose(1.0 - 0.1 * bounded, [0.955, 0.96, 0.955, 1.0], atol=1e-9)
     # the sum runs over later policy tokens only, across turns (prompt tokens skipped)
-    turns = losses.future_kl_cost(np.array([0.2, 9.0, -0.1, 0.5]), np.zeros(4),
-                                  np.array([1, 0, 1, 1]))
+    turns = losses.future_kl_cost(
+        np.array([0.2, 9.0, -0.1, 0.5]), np.zeros(4), np.array([1, 0, 1, 1])
+    )
     np.testing.assert_allclose(turns, [0.6, 0.0, 0.4, 0.5], atol=1e-9)
 
 
 def test_proximal_kl_loss_shapes_the_advantage_in_torch() -> None:
     old = torch.tensor([[0.2, -0.1, 0.5, 0.0]], dtype=torch.float64)
     out = losses.proximal_kl_loss(
-        old.clone().requires_grad_(True), old, old, torch.zeros_like(old),
-        torch.ones_like(old), torch.ones_like(old),
+        old.clone().requires_grad_(True),
+        old,
+        old,
+        torch.zeros_like(old),
+        torch.ones_like(old),
+        torch.ones_like(old),
         losses.ProximalKLConfig(beta=0.1, bound=0.45),
     )
     np.testing.assert_allclose(out.shaped_advantages.numpy(), [[0.955, 0.96, 0.955, 1.0]])
     assert float(out.loss.detach()) == pytest.approx(-np.mean([0.955, 0.96, 0.955, 1.0]))
 
 
-def _ppo_reference(logp: torch.Tensor, old: torch.Tensor, a: torch.Tensor, m: torch.Tensor,
-                   eps: float = 0.2) -> torch.Tensor:
+def _ppo_reference(
+    logp: torch.Tensor, old: torch.Tensor, a: torch.Tensor, m: torch.Tensor, eps: float = 0.2
+) -> torch.Tensor:
     ratio = torch.exp(logp - old)
     s = torch.minimum(ratio * a, torch.clamp(ratio, 1 - eps, 1 + eps) * a)
     return -(s * m).sum() / m.sum()
@@ -146,12 +152,13 @@ def test_proximal_kl_reduces_to_grpo_ppo_when_mu_is_old_and_beta_is_zero() -> No
     adv = torch.randn(3, 1, generator=g, dtype=torch.float64).expand(3, 7)
     mask = (torch.rand(3, 7, generator=g) > 0.3).to(torch.float64)
     for correction in ("token_tis", "sequence_tis", "icepop", "sequence_mis", "none"):
-        out = losses.proximal_kl_loss(logp, old, old, ref, adv, mask,
-                                      losses.ProximalKLConfig(beta=0.0, correction=correction))
+        out = losses.proximal_kl_loss(
+            logp, old, old, ref, adv, mask, losses.ProximalKLConfig(beta=0.0, correction=correction)
+        )
         expected = _ppo_reference(logp, old, adv, mask)
         assert float(out.loss.detach()) == pytest.approx(float(expected.detach()), abs=1e-12)
-        grad, = torch.autograd.grad(out.loss, logp)
-        grad_ref, = torch.autograd.grad(expected, logp)
+        (grad,) = torch.autograd.grad(out.loss, logp)
+        (grad_ref,) = torch.autograd.grad(expected, logp)
         torch.testing.assert_close(grad, grad_ref)
     # with a stale behaviour policy the TIS weights change the loss
     stale = losses.proximal_kl_loss(logp, old, old - 0.5, ref, adv, mask)
@@ -166,13 +173,21 @@ def test_sequence_mis_rejection_changes_the_denominator() -> None:
     mu = old.clone()
     mu[1] = -2.0  # sequence 1: prod rho = e^6, rejected
     adv = torch.ones(2, 3, dtype=torch.float64)
-    out = losses.proximal_kl_loss(logp, old, mu, old, adv, torch.ones(2, 3),
-                                  losses.ProximalKLConfig(correction="sequence_mis"))
+    out = losses.proximal_kl_loss(
+        logp,
+        old,
+        mu,
+        old,
+        adv,
+        torch.ones(2, 3),
+        losses.ProximalKLConfig(correction="sequence_mis"),
+    )
     assert out.mask.tolist() == [[True] * 3, [False] * 3]
     assert float(out.loss.detach()) == pytest.approx(-1.0)
     with pytest.raises(ValueError):
-        losses.proximal_kl_loss(logp, old, mu, old, adv, torch.ones(2, 3),
-                                losses.ProximalKLConfig(correction="bogus"))
+        losses.proximal_kl_loss(
+            logp, old, mu, old, adv, torch.ones(2, 3), losses.ProximalKLConfig(correction="bogus")
+        )
 
 
 def test_kl_penalty_is_a_token_mean() -> None:

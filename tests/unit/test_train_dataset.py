@@ -71,8 +71,7 @@ def test_status_version_and_staleness_filters(tmp_path: Path) -> None:
 
 
 def test_follow_picks_up_shards_published_later(tmp_path: Path) -> None:
-    follower = ShardFollower(tmp_path, follow=True, poll_interval_s=POLL_S,
-                             idle_timeout_s=WAIT_S)
+    follower = ShardFollower(tmp_path, follow=True, poll_interval_s=POLL_S, idle_timeout_s=WAIT_S)
     seen: list[str] = []
 
     def consume() -> None:
@@ -129,8 +128,7 @@ def test_open_groups_are_bounded(tmp_path: Path) -> None:
 def test_worker_filters_split_shards(tmp_path: Path) -> None:
     for w in range(6):
         write_shard(tmp_path, group_records(f"g{w}", [(1, 0)]), writer=f"w{w}")
-    parts = [ids(ShardFollower(tmp_path, shard_filter=worker_shard_filter(i, 2)))
-             for i in range(2)]
+    parts = [ids(ShardFollower(tmp_path, shard_filter=worker_shard_filter(i, 2))) for i in range(2)]
     assert sorted(parts[0] + parts[1]) == sorted(ids(ShardFollower(tmp_path)))
     assert not set(parts[0]) & set(parts[1])
 

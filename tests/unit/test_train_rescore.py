@@ -87,8 +87,10 @@ def test_jobs_insert_the_info_before_the_response(tmp_path: Path) -> None:
     assert job.reward_name == "correct"
     assert job.positions.tolist() == [2, 3, 4]
     assert job.info_prompt == [1, 2, 7, 8, 9, 10, 11, 12]
-    assert list(rescore.build_jobs([sample], lambda t: [7], done=frozenset(
-        {("g-0", 0, "correct")}))) == []
+    assert (
+        list(rescore.build_jobs([sample], lambda t: [7], done=frozenset({("g-0", 0, "correct")})))
+        == []
+    )
     assert rescore.render_info("a", "b") == rescore.DEFAULT_INFO_TEMPLATE.format(name="a", info="b")
 
 
@@ -109,9 +111,11 @@ def test_backend_replay_writes_bounded_jsd_and_resumes(tmp_path: Path, backend: 
             assert row["jsd"][i] - 1e-6 <= full <= row["jsd_upper"][i] + 1e-6
             expected = 0.5 * (row["tail_base"][i] + row["tail_info"][i]) * math.log(2)
             assert row["jsd_upper"][i] == pytest.approx(
-                min(math.log(2), row["jsd"][i] + expected), abs=1e-5)
+                min(math.log(2), row["jsd"][i] + expected), abs=1e-5
+            )
             assert row["logprobs_base"][i] == pytest.approx(
-                math.log(distribution(base, t)[base[t]]), abs=1e-5)
+                math.log(distribution(base, t)[base[t]]), abs=1e-5
+            )
     # already replayed: nothing new
     assert rescore.replay_backend(tmp_path, backend, top_k=3, progress=False) == 0
     rel = rescore.read_relevance(tmp_path)
@@ -122,11 +126,16 @@ def test_backend_replay_writes_bounded_jsd_and_resumes(tmp_path: Path, backend: 
     assert (lower[("g-1", 0, "correct")] <= rel[("g-1", 0, "correct")] + 1e-9).all()
 
 
-def test_cli_replay_through_a_backend(tmp_path: Path, backend: str,
-                                      capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_replay_through_a_backend(
+    tmp_path: Path, backend: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     write_shard(tmp_path, group_records("g", [(1, 0), (0, 1)]))
-    assert cli_main(["replay", str(tmp_path), "--backend", backend + "/v1", "--top-k", "2",
-                     "--no-progress"]) == 0
+    assert (
+        cli_main(
+            ["replay", str(tmp_path), "--backend", backend + "/v1", "--top-k", "2", "--no-progress"]
+        )
+        == 0
+    )
     assert "replayed 2 responses" in capsys.readouterr().out
     assert FakeVLLM.top_k_seen[-1] == 2
     assert cli_main(["replay", str(tmp_path / "missing"), "--backend", backend]) == 2
@@ -151,8 +160,7 @@ class TinyLM(torch.nn.Module):
 def test_exact_replay_from_full_logits(tmp_path: Path) -> None:
     write_shard(tmp_path, group_records("g", [(1, 0), (0, 1)], lengths=[3, 2]))
     model = TinyLM()
-    assert rescore_torch.replay_model(tmp_path, model, lambda t: [150, 151],
-                                      progress=False) == 2
+    assert rescore_torch.replay_model(tmp_path, model, lambda t: [150, 151], progress=False) == 2
     rows = rescore.read_replays(tmp_path, rescore.METHOD_LOGITS).to_pylist()
     sample = next(iter(ShardFollower(tmp_path)))
     row = next(r for r in rows if r["rollout_id"] == sample.rollout_id)

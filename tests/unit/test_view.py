@@ -57,7 +57,7 @@ def test_rollout_has_tokens_spans_and_the_break_side_by_side(
     # Sampled tokens carry their behaviour logprob; prompt tokens carry none.
     assert all((t[3] is None) == (t[2] == 0) for t in tokens)
     span = rewritten["turn_spans"][0]
-    assert all(t[2] == 1 for t in tokens[span["completion_start"]:span["completion_end"]])
+    assert all(t[2] == 1 for t in tokens[span["completion_start"] : span["completion_end"]])
     assert [t["turn_index"] for t in body["turns"]] == [0, 1, 2]
 
 
@@ -72,8 +72,7 @@ def test_page_and_assets_are_local(viewer: tuple[TestClient, dict[str, str]]) ->
     # No external assets: every src/href/url in the shipped files is local.
     for path in STATIC_DIR.iterdir():
         text = path.read_text(encoding="utf-8")
-        urls = re.findall(r"(?:src|href)=\"([^\"]+)\"|url\(([^)]+)\)|fetch\(`?\"?([^`\")]+)",
-                          text)
+        urls = re.findall(r"(?:src|href)=\"([^\"]+)\"|url\(([^)]+)\)|fetch\(`?\"?([^`\")]+)", text)
         for found in urls:
             url = next(u for u in found if u)
             assert not re.match(r"^(https?:)?//", url), (path.name, url)
@@ -82,10 +81,28 @@ def test_page_and_assets_are_local(viewer: tuple[TestClient, dict[str, str]]) ->
 
 
 def test_roles_follow_the_chat_template_markers() -> None:
-    pieces = ["<|im_start|>", "user", "\n", "hi", "<|im_end|>", "\n", "<|im_start|>",
-              "assistant", "\n", "<tool_call>", "{}", "</tool_call>", "<|im_end|>",
-              "<|im_start|>", "user", "\n", "<tool_response>", "sunny", "</tool_response>",
-              "<|im_end|>"]
+    pieces = [
+        "<|im_start|>",
+        "user",
+        "\n",
+        "hi",
+        "<|im_end|>",
+        "\n",
+        "<|im_start|>",
+        "assistant",
+        "\n",
+        "<tool_call>",
+        "{}",
+        "</tool_call>",
+        "<|im_end|>",
+        "<|im_start|>",
+        "user",
+        "\n",
+        "<tool_response>",
+        "sunny",
+        "</tool_response>",
+        "<|im_end|>",
+    ]
     special = [p.startswith("<|") for p in pieces]
     roles = token_roles(pieces, special)
     assert roles[3] == "user" and roles[8] == "assistant"

@@ -26,20 +26,23 @@ TURNS = 3
 
 
 def _children(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True,
-                         text=True, check=False).stdout
+    out = subprocess.run(
+        ["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True, check=False
+    ).stdout
     return [int(p) for p in out.split()]
 
 
-def _call(method: str, url: str, *, json: object = None,
-          headers: dict[str, str] | None = None) -> httpx.Response:
+def _call(
+    method: str, url: str, *, json: object = None, headers: dict[str, str] | None = None
+) -> httpx.Response:
     """One call on a fresh connection, retried while a restarted worker comes back."""
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
         try:
             with httpx.Client(timeout=30) as client:
-                resp = client.request(method, url, json=json,
-                                      headers={"Connection": "close", **(headers or {})})
+                resp = client.request(
+                    method, url, json=json, headers={"Connection": "close", **(headers or {})}
+                )
             if resp.status_code != 503:
                 return resp
         except httpx.TransportError:
@@ -49,7 +52,8 @@ def _call(method: str, url: str, *, json: object = None,
 
 
 def test_two_workers_keep_every_rollout_whole(
-    backend_url: str, tmp_path: Path  # noqa: F811
+    backend_url: str,  # noqa: F811
+    tmp_path: Path,
 ) -> None:
     port = _port()
     base = f"http://127.0.0.1:{port}"
@@ -57,14 +61,32 @@ def test_two_workers_keep_every_rollout_whole(
     env = {**os.environ, "TURNSTILE_SHARD_MAX_AGE_S": "0.3"}
     log = (tmp_path / "serve.log").open("wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "turnstile", "serve", "--workers", "2", "--backend",
-         backend_url, "--output", str(out), "--port", str(port), "--log-level", "warning"],
-        env=env, stdout=log, stderr=log,
+        [
+            sys.executable,
+            "-m",
+            "turnstile",
+            "serve",
+            "--workers",
+            "2",
+            "--backend",
+            backend_url,
+            "--output",
+            str(out),
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ],
+        env=env,
+        stdout=log,
+        stderr=log,
     )
     try:
         assert _call("GET", base + "/health").status_code == 200
-        assert _call("POST", base + "/admin/policy_version",
-                     json={"policy_version": 3}).status_code == 200
+        assert (
+            _call("POST", base + "/admin/policy_version", json={"policy_version": 3}).status_code
+            == 200
+        )
         created = _call("POST", base + "/rollouts", json={}).json()["rollout_id"]
         rollouts = [created, *(f"r{n}" for n in range(12))]
         assert {owner_of(r, 2) for r in rollouts} == {0, 1}
@@ -77,11 +99,14 @@ def test_two_workers_keep_every_rollout_whole(
             for turn in range(TURNS):
                 body = {"model": "m", "messages": messages, "stream": turn == 1}
                 if turn == 2:  # the header instead of the path
-                    resp = _call("POST", base + "/v1/chat/completions", json=body,
-                                 headers={"X-Turnstile-Rollout": rid})
+                    resp = _call(
+                        "POST",
+                        base + "/v1/chat/completions",
+                        json=body,
+                        headers={"X-Turnstile-Rollout": rid},
+                    )
                 else:
-                    resp = _call("POST", f"{base}/rollouts/{rid}/v1/chat/completions",
-                                 json=body)
+                    resp = _call("POST", f"{base}/rollouts/{rid}/v1/chat/completions", json=body)
                 assert resp.status_code == 200, resp.text
                 if turn == 1:
                     text = "".join(
@@ -91,10 +116,16 @@ def test_two_workers_keep_every_rollout_whole(
                     reply = "word " * 8
                 else:
                     reply = resp.json()["choices"][0]["message"]["content"]
-                messages += [{"role": "assistant", "content": reply},
-                             {"role": "user", "content": f"more {turn}"}]
-            assert _call("POST", f"{base}/rollouts/{rid}/rewards",
-                         json={"rewards": {"ok": float(n)}}).status_code == 200
+                messages += [
+                    {"role": "assistant", "content": reply},
+                    {"role": "user", "content": f"more {turn}"},
+                ]
+            assert (
+                _call(
+                    "POST", f"{base}/rollouts/{rid}/rewards", json={"rewards": {"ok": float(n)}}
+                ).status_code
+                == 200
+            )
             finished = _call("POST", f"{base}/rollouts/{rid}/finish").json()
             assert finished["status"] == "finished" and finished["num_turns"] == TURNS
         assert _call("GET", f"{base}/rollouts/{rollouts[-1]}").json()["num_turns"] == TURNS
@@ -123,16 +154,33 @@ def test_two_workers_keep_every_rollout_whole(
 
 
 def test_verify_and_recover_read_every_worker_journal(
-    backend_url: str, tmp_path: Path  # noqa: F811
+    backend_url: str,  # noqa: F811
+    tmp_path: Path,
 ) -> None:
     port = _port()
     base = f"http://127.0.0.1:{port}"
     out = tmp_path / "out"
     env = {**os.environ, "TURNSTILE_SHARD_MAX_AGE_S": "3600"}  # nothing published in time
     proc = subprocess.Popen(
-        [sys.executable, "-m", "turnstile", "serve", "--workers", "2", "--backend",
-         backend_url, "--output", str(out), "--port", str(port), "--log-level", "warning"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-m",
+            "turnstile",
+            "serve",
+            "--workers",
+            "2",
+            "--backend",
+            backend_url,
+            "--output",
+            str(out),
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
     try:
@@ -141,15 +189,18 @@ def test_verify_and_recover_read_every_worker_journal(
         assert {owner_of(r, 2) for r in rollouts} == {0, 1}
         for rid in rollouts:
             body = {"model": "m", "messages": [{"role": "user", "content": rid}]}
-            assert _call("POST", f"{base}/rollouts/{rid}/v1/chat/completions",
-                         json=body).status_code == 200
+            assert (
+                _call("POST", f"{base}/rollouts/{rid}/v1/chat/completions", json=body).status_code
+                == 200
+            )
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # the supervisor and both workers at once
         proc.wait(30)
 
     before = _cli("verify", str(out))
     assert before.returncode == 1 and "8 journaled turns are not in published shards" in (
-        before.stdout), before.stdout
+        before.stdout
+    ), before.stdout
     assert _cli("recover", str(out)).returncode == 0
     after = _cli("verify", str(out))
     assert after.returncode == 0, after.stdout

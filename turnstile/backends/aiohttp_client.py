@@ -26,9 +26,7 @@ READ_CHUNK_BYTES = 64 * 1024
 class _AiohttpResponse:
     __slots__ = ("_deadline", "_resp", "_timeouts", "headers", "status")
 
-    def __init__(
-        self, resp: aiohttp.ClientResponse, timeouts: Timeouts, deadline: float
-    ) -> None:
+    def __init__(self, resp: aiohttp.ClientResponse, timeouts: Timeouts, deadline: float) -> None:
         self._resp = resp
         self._timeouts = timeouts
         self._deadline = deadline
@@ -51,9 +49,7 @@ class _AiohttpResponse:
             size += len(chunk)
             if size > MAX_PASSTHROUGH_BODY_BYTES:
                 self.close()
-                raise BackendError(
-                    f"backend response exceeded {MAX_PASSTHROUGH_BODY_BYTES} bytes"
-                )
+                raise BackendError(f"backend response exceeded {MAX_PASSTHROUGH_BODY_BYTES} bytes")
         return b"".join(parts)
 
     async def iter_chunks(self) -> AsyncIterator[bytes]:
@@ -108,9 +104,7 @@ class AiohttpBackend:
             self._session = aiohttp.ClientSession(
                 connector=connector,
                 # Timeouts are enforced per phase below; aiohttp's own are only a backstop.
-                timeout=aiohttp.ClientTimeout(
-                    total=None, sock_connect=self._timeouts.connect_s
-                ),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=self._timeouts.connect_s),
                 auto_decompress=False,
                 skip_auto_headers=("User-Agent",),
             )

@@ -164,9 +164,7 @@ class Group:
 class PoolResponse:
     """A backend's response, with which backend served it and which one it left."""
 
-    def __init__(
-        self, inner: BackendResponse, served_by: str, failover_from: str | None
-    ) -> None:
+    def __init__(self, inner: BackendResponse, served_by: str, failover_from: str | None) -> None:
         self._inner = inner
         self.status = inner.status
         self.headers: Mapping[str, str] = inner.headers
@@ -217,7 +215,11 @@ class BackendPool:
         return self.groups.get(model, self.default) if isinstance(model, str) else self.default
 
     async def request(
-        self, method: str, path: str, body: bytes | None, headers: Mapping[str, str],
+        self,
+        method: str,
+        path: str,
+        body: bytes | None,
+        headers: Mapping[str, str],
         affinity: str | None = None,
     ) -> BackendResponse:
         if affinity is None:
@@ -235,8 +237,9 @@ class BackendPool:
             left = home.url if home is not None and home is not member else None
             if left is not None:
                 self.failovers += 1
-                log.warning("rollout %s moved from dead backend %s to %s",
-                            affinity, left, member.url)
+                log.warning(
+                    "rollout %s moved from dead backend %s to %s", affinity, left, member.url
+                )
             if affinity is not None:
                 group.remember(affinity, member)
             return PoolResponse(resp, member.url, left)

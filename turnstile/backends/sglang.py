@@ -139,9 +139,7 @@ def _token_bytes(text: str) -> list[int]:
     return list(text.encode("utf-8", errors="replace"))
 
 
-def _logprob_entries(
-    triples: Sequence[Any], tops: Sequence[Any] | None
-) -> list[dict[str, Any]]:
+def _logprob_entries(triples: Sequence[Any], tops: Sequence[Any] | None) -> list[dict[str, Any]]:
     """`meta_info.output_token_logprobs` entries as chat `logprobs.content` entries."""
     entries = []
     for pos, triple in enumerate(triples):
@@ -158,8 +156,12 @@ def _logprob_entries(
                         {"token": alt_text, "logprob": alt[0], "bytes": _token_bytes(alt_text)}
                     )
         entries.append(
-            {"token": text, "logprob": logprob, "bytes": _token_bytes(text),
-             "top_logprobs": top_entries}
+            {
+                "token": text,
+                "logprob": logprob,
+                "bytes": _token_bytes(text),
+                "top_logprobs": top_entries,
+            }
         )
     return entries
 
@@ -173,9 +175,7 @@ class GenerateStreamAssembler:
     total: an event whose `output_ids` are all the tokens so far is cumulative.
     """
 
-    def __init__(
-        self, model: str, prompt_ids: Sequence[int], *, include_usage: bool
-    ) -> None:
+    def __init__(self, model: str, prompt_ids: Sequence[int], *, include_usage: bool) -> None:
         self.chunk_id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
@@ -189,8 +189,12 @@ class GenerateStreamAssembler:
 
     def _chunk(self, choice: dict[str, Any], **top: Any) -> bytes:
         obj = {
-            "id": self.chunk_id, "object": "chat.completion.chunk", "created": self.created,
-            "model": self.model, "choices": [choice], **top,
+            "id": self.chunk_id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            **top,
         }
         return encode_data(orjson.dumps(obj))
 
@@ -253,8 +257,12 @@ class GenerateStreamAssembler:
             "total_tokens": len(self.prompt_ids) + self.completion_tokens,
         }
         obj = {
-            "id": self.chunk_id, "object": "chat.completion.chunk", "created": self.created,
-            "model": self.model, "choices": [], "usage": usage,
+            "id": self.chunk_id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": [],
+            "usage": usage,
         }
         return encode_data(orjson.dumps(obj))
 
@@ -280,10 +288,15 @@ def replay_chunks(whole: Mapping[str, Any], *, include_usage: bool) -> list[byte
         if not isinstance(choice, dict):
             continue
         index = choice.get("index", 0)
-        role = {"index": index, "delta": {"role": "assistant", "content": ""},
-                "logprobs": None, "finish_reason": None}
-        out.append(encode_data(orjson.dumps({**base, "choices": [role],
-                                             "prompt_token_ids": prompt_ids})))
+        role = {
+            "index": index,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+        out.append(
+            encode_data(orjson.dumps({**base, "choices": [role], "prompt_token_ids": prompt_ids}))
+        )
         message = choice.get("message") if isinstance(choice.get("message"), dict) else {}
         assert isinstance(message, dict)
         delta: dict[str, Any] = {"content": message.get("content") or ""}
@@ -291,7 +304,8 @@ def replay_chunks(whole: Mapping[str, Any], *, include_usage: bool) -> list[byte
             delta["reasoning_content"] = message["reasoning_content"]
         if message.get("tool_calls"):
             delta["tool_calls"] = [
-                {**call, "index": pos} for pos, call in enumerate(message["tool_calls"])
+                {**call, "index": pos}
+                for pos, call in enumerate(message["tool_calls"])
                 if isinstance(call, dict)
             ]
         matched = choice.get("matched_stop")
@@ -312,8 +326,13 @@ def replay_chunks(whole: Mapping[str, Any], *, include_usage: bool) -> list[byte
 class _MadeResponse:
     """A response whose body the adapter produces from an upstream response."""
 
-    def __init__(self, status: int, content_type: str, chunks: AsyncIterator[bytes],
-                 upstream: BackendResponse) -> None:
+    def __init__(
+        self,
+        status: int,
+        content_type: str,
+        chunks: AsyncIterator[bytes],
+        upstream: BackendResponse,
+    ) -> None:
         self.status = status
         self.headers: Mapping[str, str] = {"Content-Type": content_type}
         self._chunks = chunks

@@ -62,58 +62,91 @@ class Corpus:
     def answer(self, shape: Shape) -> bytes | list[bytes]:
         found = self._cache.get(shape)
         if found is None:
-            found = self._cache[shape] = (
-                self._events(shape) if shape.stream else self._whole(shape)
-            )
+            found = self._cache[shape] = self._events(shape) if shape.stream else self._whole(shape)
         return found
 
     def _entry(self, shape: Shape, i: int) -> dict[str, Any]:
         name = f"token_id:{self.ids[i]}" if shape.tokens_as_ids else self.pieces[i]
         tops = [
-            {"token": name if j == 0 else f"token_id:{(self.ids[i] + j) % VOCAB_SIZE}",
-             "logprob": self.logprobs[i] - j, "bytes": None}
+            {
+                "token": name if j == 0 else f"token_id:{(self.ids[i] + j) % VOCAB_SIZE}",
+                "logprob": self.logprobs[i] - j,
+                "bytes": None,
+            }
             for j in range(shape.top_logprobs)
         ]
         return {"token": name, "logprob": self.logprobs[i], "bytes": None, "top_logprobs": tops}
 
     def _whole(self, shape: Shape) -> bytes:
         body = {
-            "id": "chatcmpl-bench", "object": "chat.completion", "created": 1,
+            "id": "chatcmpl-bench",
+            "object": "chat.completion",
+            "created": 1,
             "model": "bench-model",
-            "choices": [{
-                "index": 0,
-                "message": {"role": "assistant", "content": "".join(self.pieces),
-                            "refusal": None, "annotations": None, "audio": None,
-                            "function_call": None, "tool_calls": [], "reasoning": None},
-                "logprobs": (
-                    {"content": [self._entry(shape, i) for i in range(len(self.ids))]}
-                    if shape.logprobs else None
-                ),
-                "finish_reason": "length", "stop_reason": None,
-                "token_ids": self.ids if shape.token_ids else None,
-            }],
-            "service_tier": None, "system_fingerprint": "vllm-0.32.0-bench",
-            "usage": {"prompt_tokens": len(self.prompt_ids), "total_tokens":
-                      len(self.prompt_ids) + len(self.ids),
-                      "completion_tokens": len(self.ids), "prompt_tokens_details": None},
-            "prompt_logprobs": None, "prompt_token_ids":
-                self.prompt_ids if shape.token_ids else None,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {
+                        "role": "assistant",
+                        "content": "".join(self.pieces),
+                        "refusal": None,
+                        "annotations": None,
+                        "audio": None,
+                        "function_call": None,
+                        "tool_calls": [],
+                        "reasoning": None,
+                    },
+                    "logprobs": (
+                        {"content": [self._entry(shape, i) for i in range(len(self.ids))]}
+                        if shape.logprobs
+                        else None
+                    ),
+                    "finish_reason": "length",
+                    "stop_reason": None,
+                    "token_ids": self.ids if shape.token_ids else None,
+                }
+            ],
+            "service_tier": None,
+            "system_fingerprint": "vllm-0.32.0-bench",
+            "usage": {
+                "prompt_tokens": len(self.prompt_ids),
+                "total_tokens": len(self.prompt_ids) + len(self.ids),
+                "completion_tokens": len(self.ids),
+                "prompt_tokens_details": None,
+            },
+            "prompt_logprobs": None,
+            "prompt_token_ids": self.prompt_ids if shape.token_ids else None,
             "kv_transfer_params": None,
         }
         data = orjson.dumps(body)
         return _head(200, "application/json", len(data)) + data
 
     def _events(self, shape: Shape) -> list[bytes]:
-        head = {"id": "chatcmpl-bench", "object": "chat.completion.chunk", "created": 1,
-                "model": "bench-model"}
-        events = [dict(head, choices=[{
-            "index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-            "finish_reason": None}],
-            prompt_token_ids=self.prompt_ids if shape.token_ids else None)]
+        head = {
+            "id": "chatcmpl-bench",
+            "object": "chat.completion.chunk",
+            "created": 1,
+            "model": "bench-model",
+        }
+        events = [
+            dict(
+                head,
+                choices=[
+                    {
+                        "index": 0,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ],
+                prompt_token_ids=self.prompt_ids if shape.token_ids else None,
+            )
+        ]
         last = len(self.ids) - 1
         for i, token in enumerate(self.ids):
             choice: dict[str, Any] = {
-                "index": 0, "delta": {"content": self.pieces[i]},
+                "index": 0,
+                "delta": {"content": self.pieces[i]},
                 "logprobs": {"content": [self._entry(shape, i)]} if shape.logprobs else None,
                 "finish_reason": "length" if i == last else None,
                 "token_ids": [token] if shape.token_ids else None,
@@ -128,13 +161,16 @@ class Corpus:
 
 
 def _head(status: int, content_type: str, length: int) -> bytes:
-    return (f"HTTP/1.1 {status} OK\r\ncontent-type: {content_type}\r\n"
-            f"content-length: {length}\r\n\r\n").encode()
+    return (
+        f"HTTP/1.1 {status} OK\r\ncontent-type: {content_type}\r\ncontent-length: {length}\r\n\r\n"
+    ).encode()
 
 
 def _head_chunked(status: int, content_type: str) -> bytes:
-    return (f"HTTP/1.1 {status} OK\r\ncontent-type: {content_type}\r\n"
-            "transfer-encoding: chunked\r\n\r\n").encode()
+    return (
+        f"HTTP/1.1 {status} OK\r\ncontent-type: {content_type}\r\n"
+        "transfer-encoding: chunked\r\n\r\n"
+    ).encode()
 
 
 def _chunk(data: bytes) -> bytes:
@@ -217,8 +253,10 @@ class BackendProtocol(asyncio.Protocol):
     def _answer(self, method: str, path: str, body: bytes) -> None:
         assert self.transport is not None
         if method == "GET" and path in ("/health", "/v1/models"):
-            models = {"object": "list", "data": [{"id": "bench-model", "object": "model",
-                                                  "root": "bench-model"}]}
+            models = {
+                "object": "list",
+                "data": [{"id": "bench-model", "object": "model", "root": "bench-model"}],
+            }
             self.transport.write(_json_answer(200, models if path == "/v1/models" else {}))
             return
         if method != "POST" or path != "/v1/chat/completions":
@@ -262,7 +300,10 @@ async def serve(host: str, port: int, corpus: Corpus, tokens_per_s: float) -> No
         raise SystemExit(f"the bench backend listens on loopback only, not {host!r}")
     loop = asyncio.get_running_loop()
     server = await loop.create_server(
-        lambda: BackendProtocol(corpus, tokens_per_s), host, port, backlog=4096,
+        lambda: BackendProtocol(corpus, tokens_per_s),
+        host,
+        port,
+        backlog=4096,
         reuse_address=True,
     )
     stop = asyncio.Event()
@@ -278,8 +319,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--prompt-tokens", type=int, default=2000)
     parser.add_argument("--completion-tokens", type=int, default=500)
-    parser.add_argument("--tokens-per-s", type=float, default=0.0,
-                        help="pace streamed tokens (0: back to back)")
+    parser.add_argument(
+        "--tokens-per-s", type=float, default=0.0, help="pace streamed tokens (0: back to back)"
+    )
     args = parser.parse_args(argv)
     if args.prompt_tokens < 1 or args.completion_tokens < 1:
         parser.error("--prompt-tokens and --completion-tokens must be at least 1")

@@ -93,13 +93,15 @@ def parse_target(url: str) -> Target:
 
 
 def request_body(stream: bool, content: str = DEFAULT_CONTENT) -> bytes:
-    return orjson.dumps({
-        "model": "m",
-        "messages": [{"role": "user", "content": content}],
-        "logprobs": True,
-        "return_token_ids": True,
-        "stream": stream,
-    })
+    return orjson.dumps(
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": content}],
+            "logprobs": True,
+            "return_token_ids": True,
+            "stream": stream,
+        }
+    )
 
 
 def encode_request(target: Target, body: bytes) -> bytes:
@@ -203,8 +205,9 @@ class Connection:
     async def _sized_body(self, length: int) -> tuple[int, bytes]:
         while len(self.buf) - self.pos < length:
             await self._fill()
-        tail = bytes(self.buf[max(self.pos, self.pos + length - len(DONE_TAIL)) :
-                              self.pos + length])
+        tail = bytes(
+            self.buf[max(self.pos, self.pos + length - len(DONE_TAIL)) : self.pos + length]
+        )
         self.pos += length
         return length, tail
 
@@ -265,9 +268,15 @@ class Plan:
 
 
 def make_plan(
-    target: Target, *, stream: bool, concurrency: int, warmup: int = 1,
-    duration_s: float | None = None, requests: int | None = None,
-    warmup_no_stream: bool = False, content: str = DEFAULT_CONTENT,
+    target: Target,
+    *,
+    stream: bool,
+    concurrency: int,
+    warmup: int = 1,
+    duration_s: float | None = None,
+    requests: int | None = None,
+    warmup_no_stream: bool = False,
+    content: str = DEFAULT_CONTENT,
 ) -> Plan:
     """A run of `requests` requests in all, or of `duration_s` seconds."""
     if (duration_s is None) == (requests is None):
@@ -275,9 +284,13 @@ def make_plan(
     return Plan(
         target=target,
         request=encode_request(target, request_body(stream, content)),
-        warmup_request=encode_request(target, request_body(stream and not warmup_no_stream,
-                                                           content)),
-        stream=stream, concurrency=concurrency, warmup=warmup, duration_s=duration_s,
+        warmup_request=encode_request(
+            target, request_body(stream and not warmup_no_stream, content)
+        ),
+        stream=stream,
+        concurrency=concurrency,
+        warmup=warmup,
+        duration_s=duration_s,
         requests=requests,
     )
 
@@ -466,14 +479,18 @@ def build_parser() -> argparse.ArgumentParser:
     how.add_argument("--requests", type=int, help="measured requests in all")
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--warmup", type=int, default=1, help="warm-up requests per worker")
-    p.add_argument("--warmup-no-stream", action="store_true",
-                   help="send the warm-up requests non-streaming (opens the connections "
-                   "without waiting for paced streams)")
+    p.add_argument(
+        "--warmup-no-stream",
+        action="store_true",
+        help="send the warm-up requests non-streaming (opens the connections "
+        "without waiting for paced streams)",
+    )
     p.add_argument("--deadline", type=float, help="hard limit on the whole run, seconds")
     p.add_argument("--content", default=DEFAULT_CONTENT, help="the user message")
     p.add_argument("--cpu", type=int, help="pin this process to one CPU")
-    p.add_argument("--sync", action="store_true",
-                   help="print READY after warm-up and wait for a line on stdin")
+    p.add_argument(
+        "--sync", action="store_true", help="print READY after warm-up and wait for a line on stdin"
+    )
     p.add_argument("--json-out", help="write the summary here (default: stdout)")
     return p
 
@@ -503,9 +520,14 @@ def main(argv: list[str] | None = None) -> int:
         os.sched_setaffinity(0, {args.cpu})
     _watchdog(deadline + WATCHDOG_GRACE_S)
     plan = make_plan(
-        target, stream=args.stream, concurrency=args.concurrency, warmup=args.warmup,
-        duration_s=args.duration, requests=args.requests,
-        warmup_no_stream=args.warmup_no_stream, content=args.content,
+        target,
+        stream=args.stream,
+        concurrency=args.concurrency,
+        warmup=args.warmup,
+        duration_s=args.duration,
+        requests=args.requests,
+        warmup_no_stream=args.warmup_no_stream,
+        content=args.content,
     )
     summary = run_fast(run_load(plan, deadline_s=deadline, sync=args.sync))
     out = orjson.dumps(summary, option=orjson.OPT_INDENT_2)

@@ -131,7 +131,9 @@ def check_config(binary: str, conf: Path, workdir: Path) -> tuple[bool, str]:
     try:
         out = subprocess.run(
             [*_command(binary, conf, workdir), "-t"],
-            capture_output=True, timeout=CONFIG_TEST_TIMEOUT_S, check=False,
+            capture_output=True,
+            timeout=CONFIG_TEST_TIMEOUT_S,
+            check=False,
         )
     except subprocess.TimeoutExpired:
         return False, "nginx -t timed out"
@@ -174,21 +176,23 @@ def start_nginx(binary: str, workdir: Path, listen_port: int, upstream_port: int
         raise NginxError(f"nginx rejected its config:\n{text}")
     proc = subprocess.Popen(
         _command(binary, conf, workdir),
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
     server = Nginx(proc, workdir, listen_port)
     try:
         ready = wait_until(
-            lambda: proc.poll() is not None
-            or (bool(child_pids(proc.pid)) and healthy(listen_port)),
+            lambda: (
+                proc.poll() is not None or (bool(child_pids(proc.pid)) and healthy(listen_port))
+            ),
             START_TIMEOUT_S,
         )
         if proc.poll() is not None:
             raise NginxError(f"nginx exited with {proc.returncode}:\n{server.error_log()}")
         if not ready:
-            raise NginxError(f"nginx did not come up in {START_TIMEOUT_S} s:\n"
-                             f"{server.error_log()}")
+            raise NginxError(f"nginx did not come up in {START_TIMEOUT_S} s:\n{server.error_log()}")
         server.pids = [proc.pid, *child_pids(proc.pid)]
     except BaseException:
         server.stop()

@@ -26,23 +26,29 @@ def derived(results: list[dict[str, Any]]) -> dict[str, Any]:
     for r in results:
         metric = "cpu_us_per_event" if r["stream"] else "cpu_us_per_req"
         out["cpu_ratio_turnstile_over_nginx"][r["name"]] = _ratio(
-            _median(r, "turnstile", metric), _median(r, "nginx", metric))
+            _median(r, "turnstile", metric), _median(r, "nginx", metric)
+        )
     ns1, s1 = by_name.get("nonstream-c1"), by_name.get("stream-c1")
     paced = next((r for r in results if r["paced"]), None)
     for proxy in ("nginx", "turnstile"):
         out[f"added_p50_ms_c1_{proxy}"] = _diff(
-            _median(ns1, proxy, "latency_p50_ms"), _median(ns1, "direct", "latency_p50_ms"))
+            _median(ns1, proxy, "latency_p50_ms"), _median(ns1, "direct", "latency_p50_ms")
+        )
         out[f"added_ttfb_p50_ms_c1_stream_{proxy}"] = _diff(
-            _median(s1, proxy, "ttfb_p50_ms"), _median(s1, "direct", "ttfb_p50_ms"))
+            _median(s1, proxy, "ttfb_p50_ms"), _median(s1, "direct", "ttfb_p50_ms")
+        )
         out[f"paced_throughput_{proxy}_over_direct"] = _ratio(
-            _median(paced, proxy, "events_per_s"), _median(paced, "direct", "events_per_s"))
+            _median(paced, proxy, "events_per_s"), _median(paced, "direct", "events_per_s")
+        )
         out[f"paced_p99_stream_time_{proxy}_over_direct"] = _ratio(
-            _median(paced, proxy, "latency_p99_ms"), _median(paced, "direct", "latency_p99_ms"))
+            _median(paced, proxy, "latency_p99_ms"), _median(paced, "direct", "latency_p99_ms")
+        )
     for r in results:
         if r["paced"] or r["concurrency"] == 1:
             continue
         out.setdefault("throughput_2_workers_over_1", {})[r["name"]] = _ratio(
-            _median(r, "turnstile-2w", "req_per_s"), _median(r, "turnstile", "req_per_s"))
+            _median(r, "turnstile-2w", "req_per_s"), _median(r, "turnstile", "req_per_s")
+        )
     return out
 
 
@@ -61,18 +67,24 @@ def _cell(s: dict[str, float] | None) -> str:
 
 
 COLUMNS: Final[tuple[tuple[str, str], ...]] = (
-    ("req/s", "req_per_s"), ("p50 ms", "latency_p50_ms"), ("p99 ms", "latency_p99_ms"),
-    ("TTFB p50 ms", "ttfb_p50_ms"), ("CPU us/req", "cpu_us_per_req"),
-    ("CPU us/event", "cpu_us_per_event"), ("rec us/turn", "recording_us_per_turn"),
+    ("req/s", "req_per_s"),
+    ("p50 ms", "latency_p50_ms"),
+    ("p99 ms", "latency_p99_ms"),
+    ("TTFB p50 ms", "ttfb_p50_ms"),
+    ("CPU us/req", "cpu_us_per_req"),
+    ("CPU us/event", "cpu_us_per_event"),
+    ("rec us/turn", "recording_us_per_turn"),
     ("errors", "errors"),
 )
 
 
 def format_report(report: dict[str, Any]) -> str:
     m = report["machine"]
-    lines = [f"machine: {m['cpu_model']}, {m['cpu_count']} CPUs ({m['cpus_allowed']} allowed), "
-             f"loadavg before: {m['loadavg_before']}",
-             "cells: median (min-max) over rounds; CPU is the proxy's own"]
+    lines = [
+        f"machine: {m['cpu_model']}, {m['cpu_count']} CPUs ({m['cpus_allowed']} allowed), "
+        f"loadavg before: {m['loadavg_before']}",
+        "cells: median (min-max) over rounds; CPU is the proxy's own",
+    ]
     for why in report["skipped"].values():
         lines.append(f"skipped: {why}")
     for sc in report["scenarios"]:
@@ -82,11 +94,14 @@ def format_report(report: dict[str, Any]) -> str:
         for target, t in sc["targets"].items():
             rows.append([target, *(_cell(t["summary"][k]) for _, k in COLUMNS)])
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-        lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True))
-                  for row in rows]
+        lines += [
+            "  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows
+        ]
         if sc.get("recording_us_per_turn_total") is not None:
-            lines.append(f"  turnstile recording threads, whole scenario: "
-                         f"{_fmt(sc['recording_us_per_turn_total'])} us/turn")
+            lines.append(
+                f"  turnstile recording threads, whole scenario: "
+                f"{_fmt(sc['recording_us_per_turn_total'])} us/turn"
+            )
     soak = report.get("soak")
     if soak:
         lines.append(
@@ -105,5 +120,3 @@ def format_report(report: dict[str, Any]) -> str:
         else:
             lines.append(f"  {key}: {_fmt(value)}")
     return "\n".join(lines)
-
-

@@ -66,7 +66,10 @@ LOADGEN_EXIT_SLACK_S: Final[float] = 15.0
 # so the recording cost counts all of it.
 RECORD_SETTLE_S: Final[float] = 0.5
 QUICK: Final[dict[str, Any]] = {
-    "rounds": 2, "duration_s": 1.0, "concurrency": [1, 32], "paced_streams": 32,
+    "rounds": 2,
+    "duration_s": 1.0,
+    "concurrency": [1, 32],
+    "paced_streams": 32,
     "paced_tokens": 20,
 }
 
@@ -104,8 +107,14 @@ def scenarios(cfg: BenchConfig) -> list[Scenario]:
     out = [Scenario(f"nonstream-c{c}", False, c) for c in cfg.concurrency]
     out += [Scenario(f"stream-c{c}", True, c) for c in cfg.concurrency]
     if cfg.paced_streams > 0:
-        out.append(Scenario(f"paced-{cfg.paced_streams}x{cfg.paced_rate:g}tps", True,
-                            cfg.paced_streams, paced=True))
+        out.append(
+            Scenario(
+                f"paced-{cfg.paced_streams}x{cfg.paced_rate:g}tps",
+                True,
+                cfg.paced_streams,
+                paced=True,
+            )
+        )
     return out
 
 
@@ -181,9 +190,12 @@ def machine_info() -> dict[str, Any]:
     with contextlib.suppress(OSError):
         loadavg = Path("/proc/loadavg").read_text().strip()
     return {
-        "cpu_model": model, "cpu_count": os.cpu_count(),
-        "cpus_allowed": len(os.sched_getaffinity(0)), "loadavg_before": loadavg,
-        "kernel": platform.release(), "python": platform.python_version(),
+        "cpu_model": model,
+        "cpu_count": os.cpu_count(),
+        "cpus_allowed": len(os.sched_getaffinity(0)),
+        "loadavg_before": loadavg,
+        "kernel": platform.release(),
+        "python": platform.python_version(),
         "clock_ticks_per_s": CLK_TCK,
     }
 
@@ -201,8 +213,12 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def wait_ready(self, timeout_s: float) -> None:
-        if not wait_until(lambda: self.proc.poll() is not None or healthy(self.port),
-                          timeout_s, 0.1) or self.proc.poll() is not None:
+        if (
+            not wait_until(
+                lambda: self.proc.poll() is not None or healthy(self.port), timeout_s, 0.1
+            )
+            or self.proc.poll() is not None
+        ):
             tail = self.log.read_text(errors="replace")[-3000:] if self.log.exists() else ""
             raise RuntimeError(f"{self.name} did not come up (exit {self.proc.poll()}):\n{tail}")
 
@@ -211,7 +227,10 @@ def spawn(name: str, args: list[str], port: int, workdir: Path) -> Server:
     log = workdir / f"{name}.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, *args], stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+            [sys.executable, *args],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=out,
             start_new_session=True,
         )
     return Server(name, proc, port, log)
@@ -283,7 +302,10 @@ def stop_stacks(stacks: list[Stack]) -> None:
 
 
 def start_stacks(
-    specs: list[tuple[str, float]], cfg: BenchConfig, workdir: Path, nginx_bin: str | None,
+    specs: list[tuple[str, float]],
+    cfg: BenchConfig,
+    workdir: Path,
+    nginx_bin: str | None,
     stacks: list[Stack],
 ) -> None:
     """Start one stack per (label, tokens/s) spec (0: back to back), appending to `stacks`
@@ -291,24 +313,46 @@ def start_stacks(
     for label, rate in specs:
         tokens = cfg.paced_tokens if rate else cfg.completion_tokens
         port = free_port()
-        args = ["-m", "turnstile.bench.backend", "--port", str(port), "--prompt-tokens",
-                str(cfg.prompt_tokens), "--completion-tokens", str(tokens),
-                "--tokens-per-s", str(rate)]
+        args = [
+            "-m",
+            "turnstile.bench.backend",
+            "--port",
+            str(port),
+            "--prompt-tokens",
+            str(cfg.prompt_tokens),
+            "--completion-tokens",
+            str(tokens),
+            "--tokens-per-s",
+            str(rate),
+        ]
         stacks.append(Stack(label, spawn(f"backend-{label}", args, port, workdir)))
     for stack in stacks:
         stack.backend.wait_ready(BACKEND_START_TIMEOUT_S)
     for stack in stacks:
         if nginx_bin is not None:
-            stack.nginx = start_nginx(nginx_bin, workdir / f"nginx-{stack.label}", free_port(),
-                                      stack.backend.port)
+            stack.nginx = start_nginx(
+                nginx_bin, workdir / f"nginx-{stack.label}", free_port(), stack.backend.port
+            )
         for target, workers in TURNSTILE_WORKERS.items():
             if target not in cfg.targets:
                 continue
             port = free_port()
             name = f"{target}-{stack.label}"
-            args = ["-m", "turnstile", "serve", "--backend", stack.backend.url, "--output",
-                    str(workdir / name), "--port", str(port), "--log-level", "warning",
-                    "--workers", str(workers)]
+            args = [
+                "-m",
+                "turnstile",
+                "serve",
+                "--backend",
+                stack.backend.url,
+                "--output",
+                str(workdir / name),
+                "--port",
+                str(port),
+                "--log-level",
+                "warning",
+                "--workers",
+                str(workers),
+            ]
             stack.turnstiles[target] = spawn(name, args, port, workdir)
     for stack in stacks:
         for server in stack.turnstiles.values():
@@ -316,16 +360,27 @@ def start_stacks(
 
 
 # -- rounds -------------------------------------------------------------------------------
-def loadgen_args(sc: Scenario, cfg: BenchConfig, url: str, out: Path,
-                 cpu: int | None) -> tuple[list[str], float]:
-    args = ["-m", "turnstile.bench.loadgen", "--url", url, "--concurrency",
-            str(sc.concurrency), "--stream" if sc.stream else "--no-stream", "--sync",
-            "--json-out", str(out), "--warmup", "1"]
+def loadgen_args(
+    sc: Scenario, cfg: BenchConfig, url: str, out: Path, cpu: int | None
+) -> tuple[list[str], float]:
+    args = [
+        "-m",
+        "turnstile.bench.loadgen",
+        "--url",
+        url,
+        "--concurrency",
+        str(sc.concurrency),
+        "--stream" if sc.stream else "--no-stream",
+        "--sync",
+        "--json-out",
+        str(out),
+        "--warmup",
+        "1",
+    ]
     if sc.paced:
         ideal = cfg.paced_tokens / cfg.paced_rate
         deadline = WARMUP_TIMEOUT_S + ideal * PACED_STREAMS_PER_WORKER * PACED_SLOWDOWN_ALLOWED
-        args += ["--requests", str(sc.concurrency * PACED_STREAMS_PER_WORKER),
-                 "--warmup-no-stream"]
+        args += ["--requests", str(sc.concurrency * PACED_STREAMS_PER_WORKER), "--warmup-no-stream"]
     else:
         deadline = WARMUP_TIMEOUT_S + cfg.duration_s + DRAIN_ALLOWANCE_S
         args += ["--duration", str(cfg.duration_s)]
@@ -341,15 +396,21 @@ def _await_ready(proc: subprocess.Popen[bytes]) -> bool:
     return bool(ready) and proc.stdout.readline().strip() == b"READY"
 
 
-def run_round(stack: Stack, target: str, sc: Scenario, cfg: BenchConfig, workdir: Path,
-              cpu: int | None) -> dict[str, Any]:
+def run_round(
+    stack: Stack, target: str, sc: Scenario, cfg: BenchConfig, workdir: Path, cpu: int | None
+) -> dict[str, Any]:
     out = workdir / "round.json"
     out.unlink(missing_ok=True)
     args, deadline = loadgen_args(sc, cfg, stack.url(target), out, cpu)
     err = workdir / "loadgen.log"
     with err.open("wb") as err_f:
-        proc = subprocess.Popen([sys.executable, *args], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=err_f, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=err_f,
+            start_new_session=True,
+        )
     pids = stack.target_pids(target)
     backend = [stack.backend.proc.pid]
     try:
@@ -373,8 +434,9 @@ def run_round(stack: Stack, target: str, sc: Scenario, cfg: BenchConfig, workdir
                 if pipe is not None:
                     pipe.close()
     if proc.returncode != 0 or not out.exists():
-        raise RuntimeError(f"loadgen failed ({proc.returncode}): "
-                           f"{err.read_text(errors='replace')[-2000:]}")
+        raise RuntimeError(
+            f"loadgen failed ({proc.returncode}): {err.read_text(errors='replace')[-2000:]}"
+        )
     res: dict[str, Any] = orjson.loads(out.read_bytes())
     n = res["requests"]
     events = n * sc.events_per_request(cfg)
@@ -385,17 +447,26 @@ def run_round(stack: Stack, target: str, sc: Scenario, cfg: BenchConfig, workdir
     res["backend_cpu_us_per_req"] = (back1 - back0) * 1e6 / n if n else None
     res["loadgen_cpu_us_per_req"] = res["loadgen_cpu_s"] * 1e6 / n if n else None
     res["recording_us_per_turn"] = (
-        (rec1 - rec0) * 1e6 / n if target == "turnstile" and rec0 is not None
-        and rec1 is not None and n else None
+        (rec1 - rec0) * 1e6 / n
+        if target == "turnstile" and rec0 is not None and rec1 is not None and n
+        else None
     )
     res["events_per_s"] = res["req_per_s"] * sc.events_per_request(cfg)
     return res
 
 
 METRICS: Final[tuple[str, ...]] = (
-    "req_per_s", "events_per_s", "latency_p50_ms", "latency_p99_ms", "ttfb_p50_ms",
-    "cpu_us_per_req", "cpu_us_per_event", "recording_us_per_turn", "backend_cpu_us_per_req",
-    "loadgen_cpu_us_per_req", "errors",
+    "req_per_s",
+    "events_per_s",
+    "latency_p50_ms",
+    "latency_p99_ms",
+    "ttfb_p50_ms",
+    "cpu_us_per_req",
+    "cpu_us_per_event",
+    "recording_us_per_turn",
+    "backend_cpu_us_per_req",
+    "loadgen_cpu_us_per_req",
+    "errors",
 )
 
 
@@ -406,28 +477,37 @@ def spread(values: list[float | None]) -> dict[str, float] | None:
     return {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
 
 
-def run_scenario(stack: Stack, sc: Scenario, cfg: BenchConfig, targets: list[str],
-                 workdir: Path, progress: bool) -> dict[str, Any]:
+def run_scenario(
+    stack: Stack, sc: Scenario, cfg: BenchConfig, targets: list[str], workdir: Path, progress: bool
+) -> dict[str, Any]:
     rounds: dict[str, list[dict[str, Any]]] = {t: [] for t in targets}
     cpu = max(os.sched_getaffinity(0)) if sc.concurrency == 1 else None
     pin = pinned(stack.all_pids(), cpu) if cpu is not None else contextlib.nullcontext()
     rec_start = stack.recording_cpu_s() if "turnstile" in targets else None
     with pin:
         for r in range(cfg.rounds):
-            order = targets[r % len(targets):] + targets[: r % len(targets)]
+            order = targets[r % len(targets) :] + targets[: r % len(targets)]
             for target in order:
                 rounds[target].append(run_round(stack, target, sc, cfg, workdir, cpu))
                 if progress:
                     res = rounds[target][-1]
-                    print(f"  {sc.name} round {r + 1}/{cfg.rounds} {target}: "
-                          f"{res['requests']} requests, {res['req_per_s']:.0f}/s",
-                          file=sys.stderr, flush=True)
-    result: dict[str, Any] = {**asdict(sc), "pinned_cpu": cpu,
-                              "events_per_request": sc.events_per_request(cfg), "targets": {}}
+                    print(
+                        f"  {sc.name} round {r + 1}/{cfg.rounds} {target}: "
+                        f"{res['requests']} requests, {res['req_per_s']:.0f}/s",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+    result: dict[str, Any] = {
+        **asdict(sc),
+        "pinned_cpu": cpu,
+        "events_per_request": sc.events_per_request(cfg),
+        "targets": {},
+    }
     for target, rs in rounds.items():
         result["targets"][target] = {
             "summary": {m: spread([r.get(m) for r in rs]) for m in METRICS},
-            "requests": sum(r["requests"] for r in rs), "rounds": rs,
+            "requests": sum(r["requests"] for r in rs),
+            "rounds": rs,
         }
     if "turnstile" in targets:
         time.sleep(RECORD_SETTLE_S)
@@ -436,7 +516,8 @@ def run_scenario(stack: Stack, sc: Scenario, cfg: BenchConfig, targets: list[str
         turns = sum(r["requests"] + r["warmup_requests"] for r in rounds["turnstile"])
         result["recording_us_per_turn_total"] = (
             (rec_end - rec_start) * 1e6 / turns
-            if rec_start is not None and rec_end is not None and turns else None
+            if rec_start is not None and rec_end is not None and turns
+            else None
         )
     return result
 
@@ -473,16 +554,33 @@ def run_soak(stack: Stack, cfg: BenchConfig, workdir: Path) -> dict[str, Any]:
     assert stack.turnstile is not None
     out = workdir / "soak.json"
     deadline = WARMUP_TIMEOUT_S + cfg.soak_s + DRAIN_ALLOWANCE_S
-    args = ["-m", "turnstile.bench.loadgen", "--url", stack.url("turnstile"),
-            "--concurrency", str(cfg.paced_streams), "--stream", "--duration",
-            str(cfg.soak_s), "--json-out", str(out), "--warmup", "1",
-            "--deadline", f"{deadline:.1f}"]
+    args = [
+        "-m",
+        "turnstile.bench.loadgen",
+        "--url",
+        stack.url("turnstile"),
+        "--concurrency",
+        str(cfg.paced_streams),
+        "--stream",
+        "--duration",
+        str(cfg.soak_s),
+        "--json-out",
+        str(out),
+        "--warmup",
+        "1",
+        "--deadline",
+        f"{deadline:.1f}",
+    ]
     pids = descendants(stack.turnstile.proc.pid)
     samples = [(0.0, rss_mb(pids))]
     start = time.monotonic()
-    proc = subprocess.Popen([sys.executable, *args], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, *args],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         while proc.poll() is None and time.monotonic() - start < deadline:
             time.sleep(min(SOAK_SAMPLE_S, max(0.1, cfg.soak_s / 10)))
@@ -492,10 +590,14 @@ def run_soak(stack: Stack, cfg: BenchConfig, workdir: Path) -> dict[str, Any]:
     res: dict[str, Any] = orjson.loads(out.read_bytes()) if out.exists() else {}
     second_half = [mb for t, mb in samples if t >= cfg.soak_s / 2] or [samples[-1][1]]
     return {
-        "duration_s": cfg.soak_s, "streams": cfg.paced_streams,
-        "tokens_per_s": cfg.paced_rate, "requests": res.get("requests"),
-        "errors": res.get("errors"), "rss_mb": samples,
-        "rss_start_mb": samples[0][1], "rss_max_mb": max(mb for _, mb in samples),
+        "duration_s": cfg.soak_s,
+        "streams": cfg.paced_streams,
+        "tokens_per_s": cfg.paced_rate,
+        "requests": res.get("requests"),
+        "errors": res.get("errors"),
+        "rss_mb": samples,
+        "rss_start_mb": samples[0][1],
+        "rss_max_mb": max(mb for _, mb in samples),
         "rss_end_mb": samples[-1][1],
         "rss_second_half_range_mb": [min(second_half), max(second_half)],
     }
@@ -505,8 +607,9 @@ def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def run_bench(cfg: BenchConfig, json_path: Path | None = None,
-              progress: bool = True) -> dict[str, Any]:
+def run_bench(
+    cfg: BenchConfig, json_path: Path | None = None, progress: bool = True
+) -> dict[str, Any]:
     """Run every scenario; print the table, write `json_path`; returns the report."""
     cfg = resolve_config(cfg)
     started = time.monotonic()
@@ -519,8 +622,9 @@ def run_bench(cfg: BenchConfig, json_path: Path | None = None,
         targets.remove("nginx")
         if not targets:
             raise ValueError(skipped["nginx"] + ", and no other target was asked for")
-    machine["nginx_version"] = (".".join(map(str, nginx_version(nginx_bin) or ()))
-                                if nginx_bin else None)
+    machine["nginx_version"] = (
+        ".".join(map(str, nginx_version(nginx_bin) or ())) if nginx_bin else None
+    )
     workdir = Path(tempfile.mkdtemp(prefix="turnstile-bench-"))
     stacks: list[Stack] = []
     soak: dict[str, Any] | None = None
@@ -534,13 +638,19 @@ def run_bench(cfg: BenchConfig, json_path: Path | None = None,
         for sc in scenarios(cfg):
             stack = stacks[1] if sc.paced else stacks[0]
             if progress:
-                print(f"{sc.name}: {cfg.rounds} rounds x {', '.join(targets)}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"{sc.name}: {cfg.rounds} rounds x {', '.join(targets)}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             results.append(run_scenario(stack, sc, cfg, targets, workdir, progress))
         if cfg.soak_s > 0 and "turnstile" in targets:
             if progress:
-                print(f"soak: {cfg.paced_streams} paced streams for {cfg.soak_s:g} s",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"soak: {cfg.paced_streams} paced streams for {cfg.soak_s:g} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
             soak = run_soak(stacks[-1], cfg, workdir)
     finally:
         stop_stacks(stacks)
@@ -552,8 +662,13 @@ def run_bench(cfg: BenchConfig, json_path: Path | None = None,
     with contextlib.suppress(OSError):
         machine["loadavg_after"] = Path("/proc/loadavg").read_text().strip()
     report = {
-        "config": asdict(cfg), "machine": machine, "skipped": skipped,
-        "targets": targets, "scenarios": results, "derived": derived(results), "soak": soak,
+        "config": asdict(cfg),
+        "machine": machine,
+        "skipped": skipped,
+        "targets": targets,
+        "scenarios": results,
+        "derived": derived(results),
+        "soak": soak,
         "elapsed_s": round(time.monotonic() - started, 2),
         "workdir": str(workdir) if cfg.keep else None,
     }

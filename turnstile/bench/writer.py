@@ -49,15 +49,25 @@ def make_turns(rows: int, prompt_tokens: int, completion_tokens: int) -> list[Tu
     reply = json.dumps({"role": "assistant", "content": "y" * (completion_tokens * 4)})
     return [
         TurnRecord(
-            turn_id=f"turn-{i:08d}", rollout_id=f"rollout-{i // 4:06d}", turn_index=i % 4,
-            choice_index=0, endpoint="chat.completions", model="bench-model",
-            policy_version=1, status=TurnStatus.OK, token_source=TokenSource.BACKEND,
+            turn_id=f"turn-{i:08d}",
+            rollout_id=f"rollout-{i // 4:06d}",
+            turn_index=i % 4,
+            choice_index=0,
+            endpoint="chat.completions",
+            model="bench-model",
+            policy_version=1,
+            status=TurnStatus.OK,
+            token_source=TokenSource.BACKEND,
             prompt_token_ids=rng.integers(0, 151_000, prompt_tokens, dtype=np.int32),
             completion_token_ids=rng.integers(0, 151_000, completion_tokens, dtype=np.int32),
             behavior_logprobs=(-rng.random(completion_tokens) * 3).astype(np.float32),
-            finish_reason="length", stop_reason=None, request_messages_json=message,
-            request_tools_json=None, request_prompt_json=None,
-            response_message_json=reply, response_text=None,
+            finish_reason="length",
+            stop_reason=None,
+            request_messages_json=message,
+            request_tools_json=None,
+            request_prompt_json=None,
+            response_message_json=reply,
+            response_text=None,
             sampling_params_json='{"temperature": 1.0}',
             timings=Timings(received_at=time.time(), queue_s=0.0, ttft_s=0.01, total_s=1.0),
             http_status=200,
@@ -66,8 +76,9 @@ def make_turns(rows: int, prompt_tokens: int, completion_tokens: int) -> list[Tu
     ]
 
 
-def measure(rows: int = DEFAULT_ROWS, prompt_tokens: int = 2000,
-            completion_tokens: int = 500) -> WriterResult:
+def measure(
+    rows: int = DEFAULT_ROWS, prompt_tokens: int = 2000, completion_tokens: int = 500
+) -> WriterResult:
     turns = make_turns(rows, prompt_tokens, completion_tokens)
     encode, write = [], []
     for _ in range(REPEATS):
@@ -76,15 +87,16 @@ def measure(rows: int = DEFAULT_ROWS, prompt_tokens: int = 2000,
             encode_event(turn)
         encode.append((time.thread_time() - start) / rows)
         with tempfile.TemporaryDirectory(prefix="turnstile-bench-writer-") as tmp:
-            sink = ParquetShardSink(Path(tmp), writer_id="bench", identity={},
-                                    max_rows=rows)
+            sink = ParquetShardSink(Path(tmp), writer_id="bench", identity={}, max_rows=rows)
             start = time.thread_time()
             sink.write_turns(turns)
             sink.close()
             write.append((time.thread_time() - start) / rows)
     enc, wr = float(np.median(encode)), float(np.median(write))
     return WriterResult(
-        rows=rows, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+        rows=rows,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
         journal_encode_us_per_turn=round(enc * 1e6, 1),
         shard_write_us_per_row=round(wr * 1e6, 1),
         shard_rows_per_s_per_core=round(1.0 / wr) if wr > 0 else 0.0,

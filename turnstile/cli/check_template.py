@@ -22,26 +22,50 @@ EXIT_BAD_INPUT = 2
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "tokenizer", nargs="?", type=Path, metavar="TOKENIZER_DIR",
+        "tokenizer",
+        nargs="?",
+        type=Path,
+        metavar="TOKENIZER_DIR",
         help="local Hugging Face tokenizer directory (its chat template is audited unless "
         "--template is given)",
     )
-    p.add_argument("--template", type=Path, metavar="FILE.jinja",
-                   help="audit this chat template instead of the tokenizer's")
+    p.add_argument(
+        "--template",
+        type=Path,
+        metavar="FILE.jinja",
+        help="audit this chat template instead of the tokenizer's",
+    )
     p.add_argument("--json", type=Path, metavar="FILE", help="also write the report as JSON")
-    p.add_argument("--markdown", action="store_true",
-                   help="print a Markdown table instead of the text report")
-    p.add_argument("--chat-template-kwargs", type=json.loads, metavar="JSON", default=None,
-                   help='extra template variables, e.g. \'{"preserve_thinking": true}\'')
-    p.add_argument("--stop-token-id", type=int, action="append", default=[], metavar="ID",
-                   help="a token the model also stops on (beyond EOS and "
-                   "generation_config.json); repeatable")
-    p.add_argument("--raw-messages", action="store_true",
-                   help="render messages exactly as given, not as vLLM hands them to the "
-                   "template (JSON-string tool arguments parsed into dicts)")
-    p.add_argument("--corpus", action="store_true",
-                   help="audit every vendored llama.cpp template that pairs with a vendored "
-                   "vocabulary (no TOKENIZER_DIR)")
+    p.add_argument(
+        "--markdown", action="store_true", help="print a Markdown table instead of the text report"
+    )
+    p.add_argument(
+        "--chat-template-kwargs",
+        type=json.loads,
+        metavar="JSON",
+        default=None,
+        help="extra template variables, e.g. '{\"preserve_thinking\": true}'",
+    )
+    p.add_argument(
+        "--stop-token-id",
+        type=int,
+        action="append",
+        default=[],
+        metavar="ID",
+        help="a token the model also stops on (beyond EOS and generation_config.json); repeatable",
+    )
+    p.add_argument(
+        "--raw-messages",
+        action="store_true",
+        help="render messages exactly as given, not as vLLM hands them to the "
+        "template (JSON-string tool arguments parsed into dicts)",
+    )
+    p.add_argument(
+        "--corpus",
+        action="store_true",
+        help="audit every vendored llama.cpp template that pairs with a vendored "
+        "vocabulary (no TOKENIZER_DIR)",
+    )
 
 
 def _fail(message: str) -> int:
@@ -78,9 +102,14 @@ def _kinds_markdown(report: Any) -> str:
     ]
     for result in report.kinds:
         end = result.end_of_turn
-        eot = "—" if end is None else (
-            f"`{end.marker}`{' (stop)' if end.is_stop_token else ' (not a stop token)'}"
-            if end.marker else "none"
+        eot = (
+            "—"
+            if end is None
+            else (
+                f"`{end.marker}`{' (stop)' if end.is_stop_token else ' (not a stop token)'}"
+                if end.marker
+                else "none"
+            )
         )
         marks = {True: "yes", False: "no", None: "—"}
         lines.append(

@@ -57,11 +57,13 @@ def summary(data: OutputData, console: Console, top: int = DEFAULT_TOP) -> None:
     """The whole directory at a glance."""
     rollouts, samples, turns = data.rollouts(), data.samples(), data.turns()
     shards = {t: len(data.reader.files(t)) for t in ("turns", "samples", "rollouts")}
-    console.print(Panel.fit(
-        f"[bold]{data.directory}[/]\n"
-        + ", ".join(f"{n} {t} shards" for t, n in shards.items()),
-        title="turnstile inspect",
-    ))
+    console.print(
+        Panel.fit(
+            f"[bold]{data.directory}[/]\n"
+            + ", ".join(f"{n} {t} shards" for t, n in shards.items()),
+            title="turnstile inspect",
+        )
+    )
     overview = _table("Overview", "what", "count")
     by_status = Counter(r["status"] for r in rollouts)
     overview.add_row("rollouts", str(len(rollouts)))
@@ -86,8 +88,9 @@ def summary(data: OutputData, console: Console, top: int = DEFAULT_TOP) -> None:
             values.setdefault("(sum)", []).append(r["reward"])
     for name, vs in sorted(values.items()):
         std = statistics.pstdev(vs) if len(vs) > 1 else 0.0
-        rewards.add_row(name, str(len(vs)), _fmt(statistics.fmean(vs)), _fmt(std),
-                        _fmt(min(vs)), _fmt(max(vs)))
+        rewards.add_row(
+            name, str(len(vs)), _fmt(statistics.fmean(vs)), _fmt(std), _fmt(min(vs)), _fmt(max(vs))
+        )
     console.print(rewards if values else Text("No rewards recorded.", style="dim"))
 
     versions = _table("Policy versions", "version", "turns", "rollouts", "mean reward")
@@ -98,9 +101,12 @@ def summary(data: OutputData, console: Console, top: int = DEFAULT_TOP) -> None:
             rollouts_by_version.setdefault(r["max_policy_version"], []).append(r["reward"])
     for version in sorted(set(turns_by_version) | set(rollouts_by_version)):
         rs = [x for x in rollouts_by_version.get(version, []) if x is not None]
-        versions.add_row(str(version), str(turns_by_version.get(version, 0)),
-                         str(len(rollouts_by_version.get(version, []))),
-                         _fmt(statistics.fmean(rs)) if rs else "-")
+        versions.add_row(
+            str(version),
+            str(turns_by_version.get(version, 0)),
+            str(len(rollouts_by_version.get(version, []))),
+            _fmt(statistics.fmean(rs)) if rs else "-",
+        )
     console.print(versions)
 
     breaks = Counter(s["break_kind"] for s in samples if s["parent_sample_index"] is not None)
@@ -110,18 +116,31 @@ def summary(data: OutputData, console: Console, top: int = DEFAULT_TOP) -> None:
     console.print(drift if breaks else Text("No stitching breaks.", style="green"))
 
     bad = [t for t in turns if t["status"] != "ok"]
-    failed = _table(f"Error and aborted turns ({len(bad)})", "rollout", "turn", "status",
-                    "http", "error")
+    failed = _table(
+        f"Error and aborted turns ({len(bad)})", "rollout", "turn", "status", "http", "error"
+    )
     for t in bad[:top]:
-        failed.add_row(t["rollout_id"], str(t["turn_index"]), t["status"],
-                       str(t["http_status"]), (t["error"] or "")[:80])
+        failed.add_row(
+            t["rollout_id"],
+            str(t["turn_index"]),
+            t["status"],
+            str(t["http_status"]),
+            (t["error"] or "")[:80],
+        )
     console.print(failed if bad else Text("No error or aborted turns.", style="green"))
 
-    slow = _table("Slowest turns", "rollout", "turn", "total s", "ttft s", "queue s",
-                  "completion tokens")
+    slow = _table(
+        "Slowest turns", "rollout", "turn", "total s", "ttft s", "queue s", "completion tokens"
+    )
     for t in sorted(turns, key=lambda t: t["total_s"], reverse=True)[:top]:
-        slow.add_row(t["rollout_id"], str(t["turn_index"]), _fmt(t["total_s"]),
-                     _fmt(t["ttft_s"]), _fmt(t["queue_s"]), str(t["num_completion_tokens"]))
+        slow.add_row(
+            t["rollout_id"],
+            str(t["turn_index"]),
+            _fmt(t["total_s"]),
+            _fmt(t["ttft_s"]),
+            _fmt(t["queue_s"]),
+            str(t["num_completion_tokens"]),
+        )
     if turns:
         console.print(slow)
 
@@ -138,8 +157,9 @@ def token_style(mask: int, logprob: float | None, special: bool) -> str:
     return "green" if p >= HIGH_PROB else ("yellow" if p >= LOW_PROB else "bold red")
 
 
-def _tokens_text(sample: dict[str, Any], start: int, end: int, tokens: TokenText,
-                 max_tokens: int) -> Text:
+def _tokens_text(
+    sample: dict[str, Any], start: int, end: int, tokens: TokenText, max_tokens: int
+) -> Text:
     ids, mask, lps = sample["input_ids"], sample["loss_mask"], sample["behavior_logprobs"]
     positions: Sequence[int] = range(start, end)
     elided = 0
@@ -175,8 +195,13 @@ def _break_table(rollout: dict[str, Any], sample: dict[str, Any], tokens: TokenT
     return table
 
 
-def show_rollout(data: OutputData, rollout_id: str, tokens: TokenText, console: Console,
-                 max_tokens: int = DEFAULT_MAX_SEGMENT_TOKENS) -> bool:
+def show_rollout(
+    data: OutputData,
+    rollout_id: str,
+    tokens: TokenText,
+    console: Console,
+    max_tokens: int = DEFAULT_MAX_SEGMENT_TOKENS,
+) -> bool:
     """One rollout in full; False if the directory has no such rollout."""
     rollout = data.rollout(rollout_id)
     if rollout is None:
@@ -192,13 +217,32 @@ def show_rollout(data: OutputData, rollout_id: str, tokens: TokenText, console: 
     if rollout.get("metadata") is not None:
         head.append(f"metadata: {rollout['metadata']}")
     console.print(Panel.fit("\n".join(head)))
-    turns = _table("Turns", "turn", "choice", "status", "policy", "prompt", "completion",
-                   "finish", "ttft s", "total s", "error")
+    turns = _table(
+        "Turns",
+        "turn",
+        "choice",
+        "status",
+        "policy",
+        "prompt",
+        "completion",
+        "finish",
+        "ttft s",
+        "total s",
+        "error",
+    )
     for t in rollout["turns"]:
-        turns.add_row(str(t["turn_index"]), str(t["choice_index"]), t["status"],
-                      str(t["policy_version"]), str(t["num_prompt_tokens"]),
-                      str(t["num_completion_tokens"]), t["finish_reason"] or "-",
-                      _fmt(t["ttft_s"]), _fmt(t["total_s"]), (t["error"] or "")[:60])
+        turns.add_row(
+            str(t["turn_index"]),
+            str(t["choice_index"]),
+            t["status"],
+            str(t["policy_version"]),
+            str(t["num_prompt_tokens"]),
+            str(t["num_completion_tokens"]),
+            t["finish_reason"] or "-",
+            _fmt(t["ttft_s"]),
+            _fmt(t["total_s"]),
+            (t["error"] or "")[:60],
+        )
     console.print(turns)
     legend = Text("tokens: ")
     legend.append("prompt/tool (mask 0) ", style="grey62")
@@ -210,40 +254,70 @@ def show_rollout(data: OutputData, rollout_id: str, tokens: TokenText, console: 
         legend.append("  (no tokenizer: ids shown; pass --tokenizer DIR)", style="italic")
     console.print(legend)
     for sample in rollout["samples"]:
-        title = (f"sample {sample['sample_index']}: {sample['num_tokens']} tokens, "
-                 f"{sample['num_loss_tokens']} with loss, {sample['num_turns']} turns, "
-                 f"starts: {sample['break_kind']}")
+        title = (
+            f"sample {sample['sample_index']}: {sample['num_tokens']} tokens, "
+            f"{sample['num_loss_tokens']} with loss, {sample['num_turns']} turns, "
+            f"starts: {sample['break_kind']}"
+        )
         console.rule(title, align="left")
         if sample["parent_sample_index"] is not None:
-            console.print(f"[red]breaks from sample {sample['parent_sample_index']}[/]: "
-                          f"{sample['break_detail'] or ''}")
+            console.print(
+                f"[red]breaks from sample {sample['parent_sample_index']}[/]: "
+                f"{sample['break_detail'] or ''}"
+            )
             console.print(_break_table(rollout, sample, tokens))
         for span in sample["turn_spans"]:
-            console.print(Text(f"── turn {span['turn_index']} (choice "
-                               f"{span['choice_index']}) prompt +"
-                               f"{span['completion_start'] - span['prompt_start']} tokens",
-                               style="bold blue"))
-            console.print(_tokens_text(sample, span["prompt_start"], span["completion_start"],
-                                       tokens, max_tokens))
-            console.print(Text(f"── turn {span['turn_index']} completion "
-                               f"{span['completion_end'] - span['completion_start']} tokens",
-                               style="bold green"))
-            console.print(_tokens_text(sample, span["completion_start"], span["completion_end"],
-                                       tokens, max_tokens))
+            console.print(
+                Text(
+                    f"── turn {span['turn_index']} (choice "
+                    f"{span['choice_index']}) prompt +"
+                    f"{span['completion_start'] - span['prompt_start']} tokens",
+                    style="bold blue",
+                )
+            )
+            console.print(
+                _tokens_text(
+                    sample, span["prompt_start"], span["completion_start"], tokens, max_tokens
+                )
+            )
+            console.print(
+                Text(
+                    f"── turn {span['turn_index']} completion "
+                    f"{span['completion_end'] - span['completion_start']} tokens",
+                    style="bold green",
+                )
+            )
+            console.print(
+                _tokens_text(
+                    sample, span["completion_start"], span["completion_end"], tokens, max_tokens
+                )
+            )
     return True
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("directory", type=Path, help="Turnstile output directory")
     p.add_argument("--rollout", metavar="ID", help="show one rollout's turns and tokens")
-    p.add_argument("--tokenizer", type=Path, metavar="DIR",
-                   help="local tokenizer directory to decode tokens (default: the one the "
-                   "shards were recorded with, if it exists here; else ids are shown)")
-    p.add_argument("--top", type=int, default=DEFAULT_TOP,
-                   help=f"rows of the error and slowest tables (default {DEFAULT_TOP})")
-    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_SEGMENT_TOKENS,
-                   help="tokens shown per turn segment before the middle is elided "
-                   f"(default {DEFAULT_MAX_SEGMENT_TOKENS})")
+    p.add_argument(
+        "--tokenizer",
+        type=Path,
+        metavar="DIR",
+        help="local tokenizer directory to decode tokens (default: the one the "
+        "shards were recorded with, if it exists here; else ids are shown)",
+    )
+    p.add_argument(
+        "--top",
+        type=int,
+        default=DEFAULT_TOP,
+        help=f"rows of the error and slowest tables (default {DEFAULT_TOP})",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=DEFAULT_MAX_SEGMENT_TOKENS,
+        help="tokens shown per turn segment before the middle is elided "
+        f"(default {DEFAULT_MAX_SEGMENT_TOKENS})",
+    )
 
 
 def run(args: argparse.Namespace, console: Console | None = None) -> int:
@@ -262,7 +336,6 @@ def run(args: argparse.Namespace, console: Console | None = None) -> int:
         console.print(f"[red]turnstile inspect: cannot load the tokenizer: {exc}[/]")
         return 2
     if not show_rollout(data, args.rollout, tokens, console, args.max_tokens):
-        console.print(f"[red]turnstile inspect: no rollout {args.rollout!r} in "
-                      f"{args.directory}[/]")
+        console.print(f"[red]turnstile inspect: no rollout {args.rollout!r} in {args.directory}[/]")
         return 1
     return 0

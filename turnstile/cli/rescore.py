@@ -16,22 +16,43 @@ log = logging.getLogger("turnstile.replay")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("directory", type=Path, help="Turnstile output directory")
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--backend", metavar="URL",
-                        help="vLLM server to score through (prompt_logprobs, top-k + bucket)")
-    source.add_argument("--model", type=Path, metavar="DIR",
-                        help="local Hugging Face model directory: exact JSD from full logits "
-                        "(needs the train extra)")
+    source.add_argument(
+        "--backend",
+        metavar="URL",
+        help="vLLM server to score through (prompt_logprobs, top-k + bucket)",
+    )
+    source.add_argument(
+        "--model",
+        type=Path,
+        metavar="DIR",
+        help="local Hugging Face model directory: exact JSD from full logits "
+        "(needs the train extra)",
+    )
     p.add_argument("--served-model", help="model name on the backend (default: its first)")
-    p.add_argument("--top-k", type=int, default=rescore.DEFAULT_TOP_K,
-                   help=f"prompt_logprobs per token (default {rescore.DEFAULT_TOP_K}; the "
-                   "server caps it at its --max-logprobs)")
-    p.add_argument("--reward", action="append", metavar="NAME",
-                   help="only this reward (repeatable; default: every reward with info)")
-    p.add_argument("--template", default=rescore.DEFAULT_INFO_TEMPLATE,
-                   help="how verifier info is rendered ({name}, {info})")
+    p.add_argument(
+        "--top-k",
+        type=int,
+        default=rescore.DEFAULT_TOP_K,
+        help=f"prompt_logprobs per token (default {rescore.DEFAULT_TOP_K}; the "
+        "server caps it at its --max-logprobs)",
+    )
+    p.add_argument(
+        "--reward",
+        action="append",
+        metavar="NAME",
+        help="only this reward (repeatable; default: every reward with info)",
+    )
+    p.add_argument(
+        "--template",
+        default=rescore.DEFAULT_INFO_TEMPLATE,
+        help="how verifier info is rendered ({name}, {info})",
+    )
     p.add_argument("--concurrency", type=int, default=rescore.DEFAULT_CONCURRENCY)
-    p.add_argument("--backend-api-key-env", metavar="NAME",
-                   help="environment variable holding the backend's API key")
+    p.add_argument(
+        "--backend-api-key-env",
+        metavar="NAME",
+        help="environment variable holding the backend's API key",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -43,21 +64,34 @@ def run(args: argparse.Namespace) -> int:
         if args.backend:
             key = os.environ.get(args.backend_api_key_env) if args.backend_api_key_env else None
             written = rescore.replay_backend(
-                args.directory, args.backend, model=args.served_model, top_k=args.top_k,
-                template=args.template, rewards=args.reward, concurrency=args.concurrency,
-                progress=not args.no_progress, api_key=key,
+                args.directory,
+                args.backend,
+                model=args.served_model,
+                top_k=args.top_k,
+                template=args.template,
+                rewards=args.reward,
+                concurrency=args.concurrency,
+                progress=not args.no_progress,
+                api_key=key,
             )
         else:
             try:
                 from turnstile.train import rescore_torch
             except ImportError as e:
-                print(f"turnstile replay --model needs PyTorch (pip install "
-                      f"'turnstile[train]'): {e}", file=sys.stderr)
+                print(
+                    f"turnstile replay --model needs PyTorch (pip install 'turnstile[train]'): {e}",
+                    file=sys.stderr,
+                )
                 return 2
             model, tokenize = rescore_torch.load_hf_model(args.model)
             written = rescore_torch.replay_model(
-                args.directory, model, tokenize, template=args.template, rewards=args.reward,
-                model_name=str(args.model), progress=not args.no_progress,
+                args.directory,
+                model,
+                tokenize,
+                template=args.template,
+                rewards=args.reward,
+                model_name=str(args.model),
+                progress=not args.no_progress,
             )
     except rescore.ReplayError as e:
         print(f"turnstile replay: {e}", file=sys.stderr)

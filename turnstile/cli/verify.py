@@ -83,8 +83,9 @@ class _NoBackend:
 
     base_url = "none"
 
-    async def request(self, method: str, path: str, body: bytes | None,
-                      headers: Mapping[str, str]) -> None:
+    async def request(
+        self, method: str, path: str, body: bytes | None, headers: Mapping[str, str]
+    ) -> None:
         raise BackendUnreachable("no backend during offline recovery")
 
     async def aclose(self) -> None:

@@ -40,22 +40,44 @@ from turnstile.tito.render import TemplateRenderer
 __all__ = ["ModeDrift", "SimulatedModel", "TemplateDrift", "conversations", "measure"]
 
 TOOLS: list[dict[str, Any]] = [
-    {"type": "function", "function": {
-        "name": "search", "description": "Search the index.",
-        "parameters": {"type": "object", "properties": {
-            "query": {"type": "string"}, "limit": {"type": "number"},
-            "exact": {"type": "boolean"}}, "required": ["query"]}}},
-    {"type": "function", "function": {
-        "name": "read_file", "description": "Read a file.",
-        "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
-                       "required": ["path"]}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "search",
+            "description": "Search the index.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "query": {"type": "string"},
+                    "limit": {"type": "number"},
+                    "exact": {"type": "boolean"},
+                },
+                "required": ["query"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "read_file",
+            "description": "Read a file.",
+            "parameters": {
+                "type": "object",
+                "properties": {"path": {"type": "string"}},
+                "required": ["path"],
+            },
+        },
+    },
 ]
 LONG_OUTPUT = "\n".join(f"line {i}: {'x' * (i % 13)} résultat {i * 1.5}" for i in range(60))
 
 
 def _call(call_id: str, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
-    return {"id": call_id, "type": "function",
-            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+    return {
+        "id": call_id,
+        "type": "function",
+        "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)},
+    }
 
 
 @dataclass(frozen=True)
@@ -83,44 +105,84 @@ def conversations() -> list[Conversation]:
     """The corpus: tool use, parallel calls, reasoning, plain chat, awkward content."""
     search = _call("call_1", "search", {"query": "naïve café ☕", "limit": 1.0, "exact": True})
     read = _call("call_2", "read_file", {"path": "/tmp/a b.txt"})
-    parallel = [_call("call_3", "search", {"exact": False, "query": "x", "limit": 10}),
-                _call("call_4", "read_file", {"path": "C:\\dir\\f.json"})]
+    parallel = [
+        _call("call_3", "search", {"exact": False, "query": "x", "limit": 10}),
+        _call("call_4", "read_file", {"path": "C:\\dir\\f.json"}),
+    ]
     return [
-        Conversation("tools", (
-            {"role": "system", "content": "You are a careful agent. Use tools."},
-            {"role": "user", "content": "  Find the café and read the file.  "},
-        ), (
-            Step({"role": "assistant", "content": "", "tool_calls": [search]}, "json_spacing",
-                 (_tool("call_1", json.dumps({"hits": [1.0, 2, True, None], "é": "ü"})),)),
-            Step({"role": "assistant", "content": "", "tool_calls": [read]}, "unicode_escape",
-                 (_tool("call_2", LONG_OUTPUT),)),
-            Step({"role": "assistant", "content": "Done: 1.0 vs 1, true."}, "trailing_space",
-                 ({"role": "user", "content": ""},)),
-            Step({"role": "assistant", "content": "Nothing more to add."}, "split_token",
-                 ({"role": "user", "content": "Now both at once 🚀"},)),
-            Step({"role": "assistant", "content": "", "tool_calls": parallel}, "json_spacing",
-                 (_tool("call_3", "[]"), _tool("call_4", '{"k": 1.00}'))),
-            Step({"role": "assistant", "content": "All read.\n"}, "none", ()),
-        )),
-        Conversation("reasoning", (
-            {"role": "user", "content": "What is 2 + 2? Think first."},
-        ), (
-            Step({"role": "assistant", "content": "4", "reasoning_content": "2 + 2 is 4."},
-                 "none", ({"role": "user", "content": "And times 3?"},)),
-            Step({"role": "assistant", "content": "12",
-                  "reasoning_content": "4 * 3 = 12, checking: 12."}, "split_token",
-                 ({"role": "user", "content": "Thanks\t"},)),
-            Step({"role": "assistant", "content": "You're welcome."}, "none", ()),
-        )),
-        Conversation("chat", (
-            {"role": "user", "content": "Say hello."},
-        ), (
-            Step({"role": "assistant", "content": "Hello!"}, "none",
-                 ({"role": "user", "content": "Again, with \"quotes\" and {braces}."},)),
-            Step({"role": "assistant", "content": "\"Hello\" {again}"}, "trailing_space",
-                 ({"role": "user", "content": "Bye."},)),
-            Step({"role": "assistant", "content": "Bye."}, "none", ()),
-        )),
+        Conversation(
+            "tools",
+            (
+                {"role": "system", "content": "You are a careful agent. Use tools."},
+                {"role": "user", "content": "  Find the café and read the file.  "},
+            ),
+            (
+                Step(
+                    {"role": "assistant", "content": "", "tool_calls": [search]},
+                    "json_spacing",
+                    (_tool("call_1", json.dumps({"hits": [1.0, 2, True, None], "é": "ü"})),),
+                ),
+                Step(
+                    {"role": "assistant", "content": "", "tool_calls": [read]},
+                    "unicode_escape",
+                    (_tool("call_2", LONG_OUTPUT),),
+                ),
+                Step(
+                    {"role": "assistant", "content": "Done: 1.0 vs 1, true."},
+                    "trailing_space",
+                    ({"role": "user", "content": ""},),
+                ),
+                Step(
+                    {"role": "assistant", "content": "Nothing more to add."},
+                    "split_token",
+                    ({"role": "user", "content": "Now both at once 🚀"},),
+                ),
+                Step(
+                    {"role": "assistant", "content": "", "tool_calls": parallel},
+                    "json_spacing",
+                    (_tool("call_3", "[]"), _tool("call_4", '{"k": 1.00}')),
+                ),
+                Step({"role": "assistant", "content": "All read.\n"}, "none", ()),
+            ),
+        ),
+        Conversation(
+            "reasoning",
+            ({"role": "user", "content": "What is 2 + 2? Think first."},),
+            (
+                Step(
+                    {"role": "assistant", "content": "4", "reasoning_content": "2 + 2 is 4."},
+                    "none",
+                    ({"role": "user", "content": "And times 3?"},),
+                ),
+                Step(
+                    {
+                        "role": "assistant",
+                        "content": "12",
+                        "reasoning_content": "4 * 3 = 12, checking: 12.",
+                    },
+                    "split_token",
+                    ({"role": "user", "content": "Thanks\t"},),
+                ),
+                Step({"role": "assistant", "content": "You're welcome."}, "none", ()),
+            ),
+        ),
+        Conversation(
+            "chat",
+            ({"role": "user", "content": "Say hello."},),
+            (
+                Step(
+                    {"role": "assistant", "content": "Hello!"},
+                    "none",
+                    ({"role": "user", "content": 'Again, with "quotes" and {braces}.'},),
+                ),
+                Step(
+                    {"role": "assistant", "content": '"Hello" {again}'},
+                    "trailing_space",
+                    ({"role": "user", "content": "Bye."},),
+                ),
+                Step({"role": "assistant", "content": "Bye."}, "none", ()),
+            ),
+        ),
     ]
 
 
@@ -178,8 +240,13 @@ class SimulatedModel:
     plan: list[int] = field(default_factory=list)
     prompts: list[list[int]] = field(default_factory=list)
 
-    def sample(self, history: list[dict[str, Any]], assistant: dict[str, Any], how: str,
-               tools: list[dict[str, Any]] | None) -> list[int]:
+    def sample(
+        self,
+        history: list[dict[str, Any]],
+        assistant: dict[str, Any],
+        how: str,
+        tools: list[dict[str, Any]] | None,
+    ) -> list[int]:
         """The tokens the model samples for `assistant` after `history`, ending with its
         end-of-turn token; stored as the plan of the next call."""
         r = self.renderer
@@ -200,21 +267,34 @@ class SimulatedModel:
     def _completion(self, prompt: list[int], model: str) -> dict[str, Any]:
         ids = list(self.plan)
         stop = ids[-1] in self.renderer.stops
-        text = self.renderer.tokenizer.decode(ids[:-1] if stop else ids,
-                                              skip_special_tokens=True)
-        return {"id": "cmpl-sim", "object": "text_completion", "created": 1, "model": model,
-                "choices": [{"index": 0, "text": text, "token_ids": ids,
-                             "prompt_token_ids": prompt,
-                             "finish_reason": "stop" if stop else "length", "stop_reason": None,
-                             "logprobs": {"tokens": [f"token_id:{t}" for t in ids],
-                                          "token_logprobs": [_logprob(i) for i in range(len(ids))],
-                                          "top_logprobs": [{f"token_id:{t}": _logprob(i)}
-                                                           for i, t in enumerate(ids)],
-                                          "text_offset": [0] * len(ids)}}],
-                "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids)}}
+        text = self.renderer.tokenizer.decode(ids[:-1] if stop else ids, skip_special_tokens=True)
+        return {
+            "id": "cmpl-sim",
+            "object": "text_completion",
+            "created": 1,
+            "model": model,
+            "choices": [
+                {
+                    "index": 0,
+                    "text": text,
+                    "token_ids": ids,
+                    "prompt_token_ids": prompt,
+                    "finish_reason": "stop" if stop else "length",
+                    "stop_reason": None,
+                    "logprobs": {
+                        "tokens": [f"token_id:{t}" for t in ids],
+                        "token_logprobs": [_logprob(i) for i in range(len(ids))],
+                        "top_logprobs": [{f"token_id:{t}": _logprob(i)} for i, t in enumerate(ids)],
+                        "text_offset": [0] * len(ids),
+                    },
+                }
+            ],
+            "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids)},
+        }
 
-    async def request(self, method: str, path: str, body: bytes | None,
-                      headers: Mapping[str, str]) -> _Response:
+    async def request(
+        self, method: str, path: str, body: bytes | None, headers: Mapping[str, str]
+    ) -> _Response:
         req = orjson.loads(body or b"{}")
         json_type = {"Content-Type": "application/json"}
         if path == "/v1/models":
@@ -223,8 +303,9 @@ class SimulatedModel:
             prompt = [int(t) for t in req["prompt"]]
             out = self._completion(prompt, str(req.get("model")))
         elif path == "/v1/chat/completions":
-            prompt, _ = self.renderer.prompt(req["messages"], req.get("tools"),
-                                             req.get("chat_template_kwargs"))
+            prompt, _ = self.renderer.prompt(
+                req["messages"], req.get("tools"), req.get("chat_template_kwargs")
+            )
             completion = self._completion(prompt, str(req.get("model")))
             out, _ = ChatAnswer(self._chat_parser(req), 0).convert(completion)
         else:
@@ -235,8 +316,7 @@ class SimulatedModel:
             return _Response(200, {"Content-Type": "text/event-stream"}, events)
         return _Response(200, json_type, [orjson.dumps(out)])
 
-    def _stream(self, prompt: list[int], model: str, path: str,
-                req: dict[str, Any]) -> list[bytes]:
+    def _stream(self, prompt: list[int], model: str, path: str, req: dict[str, Any]) -> list[bytes]:
         """One completions chunk per token (text decoded incrementally, as vLLM does);
         chat chunks converted from them for the chat endpoint."""
         whole = self._completion(prompt, model)["choices"][0]
@@ -246,19 +326,33 @@ class SimulatedModel:
         body_ids = ids[:-1] if whole["finish_reason"] == "stop" else ids
         for i, token in enumerate(ids):
             text = self.renderer.tokenizer.decode(body_ids[: i + 1], skip_special_tokens=True)
-            piece = "" if text.endswith("\ufffd") else text[len(emitted):]
+            piece = "" if text.endswith("\ufffd") else text[len(emitted) :]
             emitted += piece
             last = i == len(ids) - 1
-            chunks.append({"id": "cmpl-sim", "object": "text_completion", "created": 1,
-                           "model": model, "choices": [{
-                               "index": 0, "text": piece, "token_ids": [token],
-                               "prompt_token_ids": prompt if i == 0 else None,
-                               "finish_reason": whole["finish_reason"] if last else None,
-                               "stop_reason": None,
-                               "logprobs": {"tokens": [f"token_id:{token}"],
-                                            "token_logprobs": [_logprob(i)],
-                                            "top_logprobs": [{f"token_id:{token}": _logprob(i)}],
-                                            "text_offset": [0]}}]})
+            chunks.append(
+                {
+                    "id": "cmpl-sim",
+                    "object": "text_completion",
+                    "created": 1,
+                    "model": model,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "text": piece,
+                            "token_ids": [token],
+                            "prompt_token_ids": prompt if i == 0 else None,
+                            "finish_reason": whole["finish_reason"] if last else None,
+                            "stop_reason": None,
+                            "logprobs": {
+                                "tokens": [f"token_id:{token}"],
+                                "token_logprobs": [_logprob(i)],
+                                "top_logprobs": [{f"token_id:{token}": _logprob(i)}],
+                                "text_offset": [0],
+                            },
+                        }
+                    ],
+                }
+            )
         if path == "/v1/chat/completions":
             stream = ChatStream(self._chat_parser(req), 0)
             chunks = [c for chunk in chunks for c in stream.convert(chunk)]
@@ -267,8 +361,9 @@ class SimulatedModel:
     def _chat_parser(self, req: dict[str, Any]) -> Any:
         if req.get("tools"):
             return self.parsers.build()
-        return ParserSpec(reasoning=self.parsers.reasoning,
-                          starts_in_reasoning=self.parsers.starts_in_reasoning).build()
+        return ParserSpec(
+            reasoning=self.parsers.reasoning, starts_in_reasoning=self.parsers.starts_in_reasoning
+        ).build()
 
     async def aclose(self) -> None:
         return None
@@ -302,8 +397,10 @@ def _harness_message(message: dict[str, Any]) -> dict[str, Any]:
     """What a typical harness sends back: content and tool calls, reasoning dropped."""
     out: dict[str, Any] = {"role": "assistant", "content": message.get("content") or ""}
     if message.get("tool_calls"):
-        out["tool_calls"] = [{"id": c["id"], "type": "function", "function": c["function"]}
-                             for c in message["tool_calls"]]
+        out["tool_calls"] = [
+            {"id": c["id"], "type": "function", "function": c["function"]}
+            for c in message["tool_calls"]
+        ]
     return out
 
 
@@ -315,8 +412,15 @@ async def _drive(app: Any, sim: SimulatedModel, convs: list[Conversation]) -> li
         messages = list(conv.start)
         for i, step in enumerate(conv.steps):
             sim.sample(messages, step.assistant, step.perturb, TOOLS)
-            raw = orjson.dumps({"model": "simulated", "messages": messages, "tools": TOOLS,
-                                "max_tokens": 512, "stream": i % 2 == 1})
+            raw = orjson.dumps(
+                {
+                    "model": "simulated",
+                    "messages": messages,
+                    "tools": TOOLS,
+                    "max_tokens": 512,
+                    "stream": i % 2 == 1,
+                }
+            )
             relay = await proxy.complete(CHAT, raw, rollout_id=rollout)
             message = await _message_of(relay)
             messages = [*messages, _harness_message(message), *step.then]
@@ -338,9 +442,10 @@ async def _message_of(relay: Any) -> dict[str, Any]:
                 delta = choice.get("delta") or {}
                 content.append(delta.get("content") or "")
                 for call in delta.get("tool_calls") or ():
-                    slot = calls.setdefault(call["index"], {"id": None, "type": "function",
-                                                            "function": {"name": "",
-                                                                         "arguments": ""}})
+                    slot = calls.setdefault(
+                        call["index"],
+                        {"id": None, "type": "function", "function": {"name": "", "arguments": ""}},
+                    )
                     slot["id"] = call.get("id") or slot["id"]
                     fn = call.get("function") or {}
                     slot["function"]["name"] += fn.get("name") or ""
@@ -382,10 +487,17 @@ def _settings(out: Path, tokenizer_dir: Path, template: Path, mode: str) -> Any:
     from turnstile.dev.template_corpus import TEMPLATE_KWARGS
     from turnstile.settings import load_settings
 
-    return load_settings(None, {"output": out, "tokenizer": tokenizer_dir, "mode": mode,
-                                "chat_template": template,
-                                "chat_template_kwargs": TEMPLATE_KWARGS.get(template.name, {})},
-                         environ={})
+    return load_settings(
+        None,
+        {
+            "output": out,
+            "tokenizer": tokenizer_dir,
+            "mode": mode,
+            "chat_template": template,
+            "chat_template_kwargs": TEMPLATE_KWARGS.get(template.name, {}),
+        },
+        environ={},
+    )
 
 
 def _kwargs(template: Path) -> dict[str, Any]:
@@ -394,8 +506,9 @@ def _kwargs(template: Path) -> dict[str, Any]:
     return dict(TEMPLATE_KWARGS.get(template.name, {}))
 
 
-async def _run_mode(mode: str, tokenizer_dir: Path, template: Path, hf: Any,
-                    convs: list[Conversation], root: Path) -> ModeDrift:
+async def _run_mode(
+    mode: str, tokenizer_dir: Path, template: Path, hf: Any, convs: list[Conversation], root: Path
+) -> ModeDrift:
     from turnstile.server.app import create_app
     from turnstile.settings import SettingsError
 
@@ -410,16 +523,18 @@ async def _run_mode(mode: str, tokenizer_dir: Path, template: Path, hf: Any,
         result.refused = str(exc)
         return result
     if mode == "tito":  # the simulated model samples the format of the template TITO uses
-        sim.renderer = TemplateRenderer(hf, app.state.proxy.tito.renderer.template,
-                                        app.state.proxy.tito.renderer.default_kwargs)
+        sim.renderer = TemplateRenderer(
+            hf, app.state.proxy.tito.renderer.template, app.state.proxy.tito.renderer.default_kwargs
+        )
     async with app.router.lifespan_context(app):
         await _drive(app, sim, convs)
     _score(result, out)
     return result
 
 
-def measure(template: Path, tokenizer_dir: Path,
-            convs: list[Conversation] | None = None) -> TemplateDrift:
+def measure(
+    template: Path, tokenizer_dir: Path, convs: list[Conversation] | None = None
+) -> TemplateDrift:
     """Record and TITO mode over the corpus for one template and its vocabulary."""
     from turnstile.dev.vocab import load_tokenizer
 
@@ -450,16 +565,21 @@ def _renderable(convs: list[Conversation], hf: Any, template: Path) -> list[Conv
 
 def markdown(rows: list[TemplateDrift]) -> str:
     """The README table: drift in record mode versus TITO mode."""
-    lines = ["| template | turns | record: breaks (detected, by kind) | record drift | "
-             "TITO: breaks | TITO mismatched tokens |", "| --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| template | turns | record: breaks (detected, by kind) | record drift | "
+        "TITO: breaks | TITO mismatched tokens |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for row in rows:
         r, t = row.record, row.tito
         kinds = ", ".join(f"{k} {v}" for k, v in sorted(r.breaks.items())) or "none"
         rate = "—" if r.drift_rate is None else f"{r.drift_rate:.0%}"
-        tito = ("refused" if t.refused else f"{t.true_breaks} of {t.transitions}")
+        tito = "refused" if t.refused else f"{t.true_breaks} of {t.transitions}"
         mism = "—" if t.refused else str(t.mismatched_tokens)
-        lines.append(f"| {row.template} | {r.turns} | {r.true_breaks} of {r.transitions} "
-                     f"({kinds}) | {rate} | {tito} | {mism} |")
+        lines.append(
+            f"| {row.template} | {r.turns} | {r.true_breaks} of {r.transitions} "
+            f"({kinds}) | {rate} | {tito} | {mism} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -474,15 +594,18 @@ def corpus(log: Callable[[str], None] = print) -> list[TemplateDrift]:
     for name, spec in sorted(PAIRINGS.items()):
         tokenizer_dir = ensure_vocab_tokenizer(spec, log=lambda _: None)
         row = measure(assets / "templates" / name, tokenizer_dir)
-        log(f"{name}: record {row.record.true_breaks}/{row.record.transitions} breaks; "
-            f"TITO {'refused' if row.tito.refused else row.tito.true_breaks}")
+        log(
+            f"{name}: record {row.record.true_breaks}/{row.record.transitions} breaks; "
+            f"TITO {'refused' if row.tito.refused else row.tito.true_breaks}"
+        )
         rows.append(row)
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m turnstile.dev.drift",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m turnstile.dev.drift", description=__doc__.split("\n\n")[0]
+    )
     parser.parse_args(argv)
     print(markdown(corpus()))
     return 0

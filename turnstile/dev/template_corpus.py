@@ -230,9 +230,7 @@ def audit_corpus(
             notes.append("unsupported: " + ", ".join(unsupported))
         note = "; ".join(notes)
         rows.append(
-            CorpusRow(
-                name, spec.vocab_file, report.tito_safe, tuple(report.failing_kinds()), note
-            )
+            CorpusRow(name, spec.vocab_file, report.tito_safe, tuple(report.failing_kinds()), note)
         )
         if log is not None:
             log(f"{name}: {'TITO-safe' if report.tito_safe else 'not TITO-safe'}")

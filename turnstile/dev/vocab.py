@@ -125,7 +125,17 @@ class _Gguf:
 _GGUF_MAGIC = b"GGUF"
 _GGUF_STRING, _GGUF_ARRAY = 8, 9
 _GGUF_SCALARS: dict[int, str] = {
-    0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d",
+    0: "B",
+    1: "b",
+    2: "H",
+    3: "h",
+    4: "I",
+    5: "i",
+    6: "f",
+    7: "?",
+    10: "Q",
+    11: "q",
+    12: "d",
 }
 
 

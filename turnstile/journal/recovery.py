@@ -85,8 +85,9 @@ def published_keys(output: Path) -> tuple[set[tuple[str, int]], set[tuple[str, i
         else set()
     )
     sample_keys = (
-        set(zip(samples["rollout_id"].to_pylist(), samples["sample_index"].to_pylist(),
-                strict=True))
+        set(
+            zip(samples["rollout_id"].to_pylist(), samples["sample_index"].to_pylist(), strict=True)
+        )
         if samples is not None
         else set()
     )
@@ -169,8 +170,12 @@ def apply_recovery(recovered: Recovered, proxy: Proxy, *, restore_open: bool = T
     log.info(
         "recovered %d journal frames: %d turns republished, %d open rollouts restored, "
         "%d sealed rollouts re-stitched, %d already published, %d undecodable frames",
-        recovered.frames, len(recovered.unpublished_turns), len(recovered.open_rollouts),
-        len(recovered.sealed_rollouts), recovered.retired_rollouts, recovered.undecodable,
+        recovered.frames,
+        len(recovered.unpublished_turns),
+        len(recovered.open_rollouts),
+        len(recovered.sealed_rollouts),
+        recovered.retired_rollouts,
+        recovered.undecodable,
     )
 
 

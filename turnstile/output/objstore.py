@@ -136,9 +136,7 @@ class ObjectStorePublisher:
     # -- one pass ----------------------------------------------------------------------
     def staged(self) -> list[tuple[str, Path]]:
         """Published local shards not yet moved to the store, oldest first."""
-        found = [
-            (table, p) for table in TABLES for p in (self.staging / table).glob(SHARD_GLOB)
-        ]
+        found = [(table, p) for table in TABLES for p in (self.staging / table).glob(SHARD_GLOB)]
         return sorted(found, key=lambda tp: tp[1].name)
 
     def sync_once(self) -> int:
@@ -176,11 +174,15 @@ class ObjectStorePublisher:
                 out_of_time = self._deadline is not None and time.monotonic() >= self._deadline
                 if attempt == MAX_ATTEMPTS or out_of_time:
                     self.stats.passes_failed += 1
-                    raise ObjectStoreError(
-                        f"could not {what} in {attempt} attempts: {e}"
-                    ) from e
-                log.warning("object store: could not %s (attempt %d of %d, retrying in "
-                            "%.2f s): %s", what, attempt, MAX_ATTEMPTS, delay, e)
+                    raise ObjectStoreError(f"could not {what} in {attempt} attempts: {e}") from e
+                log.warning(
+                    "object store: could not %s (attempt %d of %d, retrying in %.2f s): %s",
+                    what,
+                    attempt,
+                    MAX_ATTEMPTS,
+                    delay,
+                    e,
+                )
                 self._sleep(delay)
                 delay = min(delay * 2, BACKOFF_MAX_S)
         raise AssertionError("unreachable")

@@ -221,7 +221,8 @@ class Recorder:
                 log.warning(
                     "backend returned no token IDs for turn %s of rollout %s and no "
                     "--tokenizer is set: the turn is recorded without tokens",
-                    record.turn_index, record.rollout_id,
+                    record.turn_index,
+                    record.rollout_id,
                 )
             self.stats.retokenized_turns += 1
             return
@@ -246,7 +247,10 @@ class Recorder:
                 "RETOKENIZED: backend returned no token IDs for turn %s of rollout %s; "
                 "Turnstile tokenized it with %s, which may differ from what the model saw "
                 "(%d such turns so far)",
-                record.turn_index, record.rollout_id, tok.path, n + 1,
+                record.turn_index,
+                record.rollout_id,
+                tok.path,
+                n + 1,
             )
 
     def _write_seal(self, job: SealJob) -> None:

@@ -242,7 +242,9 @@ class ParquetShardSink:
                 for path in (self.output_dir / table).glob(SHARD_GLOB):
                     if own.fullmatch(path.name):
                         self._manifest[f"{table}/{path.name}"] = {
-                            "table": table, "name": path.name, "bytes": path.stat().st_size
+                            "table": table,
+                            "name": path.name,
+                            "bytes": path.stat().st_size,
                         }
             self._write_manifest()
 
@@ -383,7 +385,9 @@ class ParquetShardSink:
         if self._manifest is not None:
             with contextlib.suppress(OSError):
                 self._manifest[f"{table}/{final.name}"] = {
-                    "table": table, "name": final.name, "bytes": final.stat().st_size
+                    "table": table,
+                    "name": final.name,
+                    "bytes": final.stat().st_size,
                 }
             self._write_manifest()
         self._consume(buffer, len(chunk))

@@ -204,9 +204,11 @@ def stitch(
             if chain.last.turn_id == turn.turn_id:
                 continue
             n = chain.length
-            if n <= len(turn.prompt_token_ids) and np.array_equal(
-                chain.context, turn.prompt_token_ids[:n]
-            ) and (best is None or n > best.length):
+            if (
+                n <= len(turn.prompt_token_ids)
+                and np.array_equal(chain.context, turn.prompt_token_ids[:n])
+                and (best is None or n > best.length)
+            ):
                 best = chain
         if best is not None:
             best.append(turn)
@@ -217,9 +219,7 @@ def stitch(
                 chains,
                 key=lambda c: (_common_prefix(c.context, turn.prompt_token_ids), c.length),
             )
-            new.break_kind, new.break_position, new.break_detail = classify_break(
-                parent, turn, tok
-            )
+            new.break_kind, new.break_position, new.break_detail = classify_break(parent, turn, tok)
             new.parent = parent.index
         new.exact = exact
         new.append(turn)

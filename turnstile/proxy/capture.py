@@ -29,11 +29,29 @@ COMPLETIONS = "completions"
 
 # Sampling fields copied into the record (the rest of the request is kept as messages).
 SAMPLING_FIELDS = (
-    "temperature", "top_p", "top_k", "min_p", "max_tokens", "max_completion_tokens", "n",
-    "seed", "stop", "stop_token_ids", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "logit_bias", "response_format", "tool_choice",
-    "parallel_tool_calls", "ignore_eos", "min_tokens", "skip_special_tokens",
-    "include_stop_str_in_output", "chat_template_kwargs", "reasoning_effort",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "max_tokens",
+    "max_completion_tokens",
+    "n",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "response_format",
+    "tool_choice",
+    "parallel_tool_calls",
+    "ignore_eos",
+    "min_tokens",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+    "chat_template_kwargs",
+    "reasoning_effort",
 )
 
 _TOKEN_ID_PREFIX = "token_id:"
@@ -400,4 +418,3 @@ class ResponseCapture:
 
     def prompt_ids_for(self, cap: ChoiceCapture) -> list[int] | None:
         return cap.prompt_token_ids if cap.prompt_token_ids is not None else self.prompt_token_ids
-

@@ -133,8 +133,11 @@ class Proxy:
         self.policy_seq = 0  # the journal frame holding the policy version (0: none)
         self.journal_segments_removed = 0
         self.registry = RolloutRegistry(
-            self._on_seal, idle_timeout_s, self.journal_event,
-            max_rollout_bytes=max_rollout_bytes, max_open_bytes=max_open_rollout_bytes,
+            self._on_seal,
+            idle_timeout_s,
+            self.journal_event,
+            max_rollout_bytes=max_rollout_bytes,
+            max_open_bytes=max_open_rollout_bytes,
         )
         self.draining = False
         self.in_flight = 0
@@ -182,7 +185,10 @@ class Proxy:
         self.hand_over(rollout)
 
     def hand_over(
-        self, rollout: Rollout, *, skip_samples: frozenset[int] = frozenset(),
+        self,
+        rollout: Rollout,
+        *,
+        skip_samples: frozenset[int] = frozenset(),
         skip_rollout: bool = False,
     ) -> None:
         """Give a sealed rollout to the writer to stitch and publish."""
@@ -379,7 +385,9 @@ class Proxy:
         self._finish(call, capture, status, error, 502)
         log.warning(
             "stream of rollout %s turn %d cut: %s",
-            call.rollout.rollout_id, call.turn_index, error,
+            call.rollout.rollout_id,
+            call.turn_index,
+            error,
         )
         err = BackendError(f"the backend stream failed: {error}")
         yield encode_data(err.body_bytes())
@@ -458,10 +466,17 @@ class Proxy:
         if not capture.choices:
             return [
                 TurnRecord(
-                    choice_index=0, model=model, token_source=TokenSource.NONE,
-                    prompt_token_ids=_EMPTY_I32, completion_token_ids=_EMPTY_I32,
-                    behavior_logprobs=_EMPTY_F32, finish_reason=None, stop_reason=None,
-                    response_message_json=None, response_text=None, **common,
+                    choice_index=0,
+                    model=model,
+                    token_source=TokenSource.NONE,
+                    prompt_token_ids=_EMPTY_I32,
+                    completion_token_ids=_EMPTY_I32,
+                    behavior_logprobs=_EMPTY_F32,
+                    finish_reason=None,
+                    stop_reason=None,
+                    response_message_json=None,
+                    response_text=None,
+                    **common,
                 )
             ]
         records = []
@@ -481,9 +496,7 @@ class Proxy:
                     behavior_logprobs=lps,
                     finish_reason=cap.finish_reason,
                     stop_reason=cap.stop_reason,
-                    response_message_json=orjson.dumps(cap.message()).decode()
-                    if is_chat
-                    else None,
+                    response_message_json=orjson.dumps(cap.message()).decode() if is_chat else None,
                     response_text=None if is_chat else cap.text(),
                     top_logprob_ids=top_ids,
                     top_logprob_values=top_values,

@@ -30,11 +30,18 @@ _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
 
 def turn_bytes(record: TurnRecord) -> int:
     """About how much memory a recorded turn holds (arrays and text)."""
-    size = (record.prompt_token_ids.nbytes + record.completion_token_ids.nbytes
-            + record.behavior_logprobs.nbytes)
-    for text in (record.request_messages_json, record.request_tools_json,
-                 record.request_prompt_json, record.response_message_json,
-                 record.response_text):
+    size = (
+        record.prompt_token_ids.nbytes
+        + record.completion_token_ids.nbytes
+        + record.behavior_logprobs.nbytes
+    )
+    for text in (
+        record.request_messages_json,
+        record.request_tools_json,
+        record.request_prompt_json,
+        record.response_message_json,
+        record.response_text,
+    ):
         if text is not None:
             size += len(text)
     if record.top_logprob_ids is not None:
@@ -150,8 +157,14 @@ class RolloutRegistry:
             return
         rid = rollout.rollout_id
         seq = self.on_event(
-            RolloutCreated(rid, rollout.group_id, rollout.task_id, rollout.metadata,
-                           rollout.implicit, rollout.created_at)
+            RolloutCreated(
+                rid,
+                rollout.group_id,
+                rollout.task_id,
+                rollout.metadata,
+                rollout.implicit,
+                rollout.created_at,
+            )
         )
         if rollout.rewards:
             self.on_event(
@@ -206,8 +219,7 @@ class RolloutRegistry:
             rollout = self.create(rollout_id, implicit=rollout_id is None)
         if rollout.sealed:
             raise Conflict(
-                f"rollout {rollout.rollout_id!r} is {rollout.status.value}; "
-                "it takes no more turns",
+                f"rollout {rollout.rollout_id!r} is {rollout.status.value}; it takes no more turns",
                 param="rollout_id",
             )
         if rollout.held_bytes > self.max_rollout_bytes:

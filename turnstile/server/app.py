@@ -156,13 +156,13 @@ def create_app(
         model = await _model_identity(backend)
         identity["turnstile.model"] = model or ""
         journal = await asyncio.to_thread(
-            FileJournal, journal_dir, fsync=settings.fsync,
+            FileJournal,
+            journal_dir,
+            fsync=settings.fsync,
             segment_bytes=settings.journal_segment_bytes,
         )
         recovered = await asyncio.to_thread(recover, journal, settings.output)
-        apply_recovery(
-            recovered, proxy, restore_open=settings.recover_open_rollouts == "restore"
-        )
+        apply_recovery(recovered, proxy, restore_open=settings.recover_open_rollouts == "restore")
         proxy.journal = journal
         recorder.start()
         sweeper = asyncio.ensure_future(_sweep(proxy))
@@ -171,7 +171,10 @@ def create_app(
         )
         log.info(
             "turnstile %s recording %s -> %s (model: %s)",
-            __version__, settings.backend, settings.output, model or "unknown",
+            __version__,
+            settings.backend,
+            settings.output,
+            model or "unknown",
         )
         tune_gc()  # start-up garbage is done: keep the collector off the hot path
         try:
@@ -194,7 +197,8 @@ def create_app(
                     segment.unlink()
             log.info(
                 "shut down: sealed %d open rollouts as interrupted; %d turns written%s",
-                sealed, recorder.stats.turns_written,
+                sealed,
+                recorder.stats.turns_written,
                 "" if finished else " (WRITER DID NOT FINISH IN TIME)",
             )
 
@@ -210,9 +214,7 @@ def create_app(
     admin_key = resolve_secret(settings.admin_api_key_env)
     rollout_keys = RolloutKeys(client_keys) if client_keys else None
     # Added first, so it runs inside authentication (the last added runs outermost).
-    app.add_middleware(
-        CompletionFastPath, proxy=proxy, max_body=settings.max_request_body_bytes
-    )
+    app.add_middleware(CompletionFastPath, proxy=proxy, max_body=settings.max_request_body_bytes)
     app.add_middleware(
         AuthMiddleware,
         client_keys=client_keys,

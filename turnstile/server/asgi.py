@@ -40,9 +40,12 @@ async def send_error(send: Send, exc: TurnstileError) -> None:
     """Send `exc` as its status, its extra headers and its OpenAI-style JSON body."""
     body = exc.body_bytes()
     content_type = getattr(exc, "content_type", "application/json")
-    headers = [(b"content-type", content_type.encode("latin-1")),
-               (b"content-length", str(len(body)).encode())]
-    headers += [(k.lower().encode("latin-1"), v.encode("latin-1"))
-                for k, v in exc.headers().items()]
+    headers = [
+        (b"content-type", content_type.encode("latin-1")),
+        (b"content-length", str(len(body)).encode()),
+    ]
+    headers += [
+        (k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in exc.headers().items()
+    ]
     await send({"type": "http.response.start", "status": exc.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

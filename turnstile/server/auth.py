@@ -56,7 +56,7 @@ class RolloutKeys:
         """The rollout a valid rollout key is for; None if it is not one."""
         if not token.startswith(ROLLOUT_KEY_PREFIX):
             return None
-        rid, dot, mac = token[len(ROLLOUT_KEY_PREFIX):].rpartition(b".")
+        rid, dot, mac = token[len(ROLLOUT_KEY_PREFIX) :].rpartition(b".")
         if not dot or not rid or not hmac.compare_digest(mac, self._mac(rid)):
             return None
         return rid.decode("utf-8", errors="replace")

@@ -44,11 +44,38 @@ METRICS_PATH: Final[str] = "/metrics"
 # Latency buckets (seconds): agent turns range from tens of milliseconds (cached, short)
 # to many minutes (long reasoning on a loaded server), so the buckets span both.
 LATENCY_BUCKETS: Final[tuple[float, ...]] = (
-    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 900.0,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    900.0,
 )
 # Time to first token is bounded by queueing and prefill: finer at the low end.
 TTFT_BUCKETS: Final[tuple[float, ...]] = (
-    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    300.0,
 )
 # A scrape probes the backend's /health, but must answer well inside Prometheus' default
 # 10 s scrape timeout even when the backend hangs.
@@ -90,33 +117,48 @@ class TurnstileMetrics:
         self.backend = backend
         r = self.registry
         self.http_requests = Counter(
-            "turnstile_http_requests", "HTTP requests answered, by route class and status.",
-            ["route", "status"], registry=r,
+            "turnstile_http_requests",
+            "HTTP requests answered, by route class and status.",
+            ["route", "status"],
+            registry=r,
         )
         self.turns = Counter(
-            "turnstile_turns", "Recorded turns (one per choice), by endpoint and status.",
-            ["endpoint", "status"], registry=r,
+            "turnstile_turns",
+            "Recorded turns (one per choice), by endpoint and status.",
+            ["endpoint", "status"],
+            registry=r,
         )
         self.calls = Counter(
-            "turnstile_calls", "Completion calls that reached the backend stage, by "
-            "endpoint and HTTP status.", ["endpoint", "http_status"], registry=r,
+            "turnstile_calls",
+            "Completion calls that reached the backend stage, by endpoint and HTTP status.",
+            ["endpoint", "http_status"],
+            registry=r,
         )
         self.prompt_tokens = Counter(
-            "turnstile_prompt_tokens", "Prompt tokens the backend consumed (recorded).",
-            ["endpoint"], registry=r,
+            "turnstile_prompt_tokens",
+            "Prompt tokens the backend consumed (recorded).",
+            ["endpoint"],
+            registry=r,
         )
         self.completion_tokens = Counter(
-            "turnstile_completion_tokens", "Completion tokens the backend sampled (recorded).",
-            ["endpoint"], registry=r,
+            "turnstile_completion_tokens",
+            "Completion tokens the backend sampled (recorded).",
+            ["endpoint"],
+            registry=r,
         )
         self.latency = Histogram(
-            "turnstile_call_duration_seconds", "Seconds from receipt until a call ended.",
-            ["endpoint", "stream"], buckets=LATENCY_BUCKETS, registry=r,
+            "turnstile_call_duration_seconds",
+            "Seconds from receipt until a call ended.",
+            ["endpoint", "stream"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.ttft = Histogram(
             "turnstile_time_to_first_token_seconds",
             "Seconds from receipt until the first completion byte of a streamed call.",
-            ["endpoint"], buckets=TTFT_BUCKETS, registry=r,
+            ["endpoint"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
         )
         self.backend_up: float | None = None
         self._probed_at = -BACKEND_PROBE_CACHE_S
@@ -193,35 +235,55 @@ class _StateCollector(Collector):
         def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
             return CounterMetricFamily(name, doc, value=value)
 
-        yield gauge("turnstile_open_rollouts", "Rollouts open (not yet sealed).",
-                    proxy.registry.open_count)
-        yield gauge("turnstile_open_rollout_bytes", "Bytes of turns held by open rollouts.",
-                    proxy.registry.held_bytes)
+        yield gauge(
+            "turnstile_open_rollouts", "Rollouts open (not yet sealed).", proxy.registry.open_count
+        )
+        yield gauge(
+            "turnstile_open_rollout_bytes",
+            "Bytes of turns held by open rollouts.",
+            proxy.registry.held_bytes,
+        )
         yield gauge("turnstile_in_flight_calls", "Completion calls in flight.", proxy.in_flight)
-        yield gauge("turnstile_policy_version", "Policy version of new turns.",
-                    proxy.policy_version)
+        yield gauge(
+            "turnstile_policy_version", "Policy version of new turns.", proxy.policy_version
+        )
         yield gauge("turnstile_draining", "1 while shutting down.", float(proxy.draining))
-        yield gauge("turnstile_recorder_queue_depth",
-                    "Work items queued for the writer thread.", recorder.backlog)
-        yield gauge("turnstile_writer_lag_turns",
-                    "Turns received but not yet written to a shard buffer.",
-                    max(0, stats.turns_received - stats.turns_written))
-        yield gauge("turnstile_recorder_healthy", "1 while the recorder writes without error.",
-                    float(recorder.healthy))
-        yield counter("turnstile_turns_received", "Turns handed to the recorder.",
-                      stats.turns_received)
-        yield counter("turnstile_turns_written", "Turns written by the recorder.",
-                      stats.turns_written)
-        yield counter("turnstile_samples_written", "Training samples written.",
-                      stats.samples_written)
-        yield counter("turnstile_rollouts_written", "Rollout rows written.",
-                      stats.rollouts_written)
-        yield counter("turnstile_retokenized_turns",
-                      "Turns the backend returned no token IDs for.", stats.retokenized_turns)
-        yield counter("turnstile_dropped", "Work dropped (stays 0: work is refused up front).",
-                      stats.dropped)
+        yield gauge(
+            "turnstile_recorder_queue_depth",
+            "Work items queued for the writer thread.",
+            recorder.backlog,
+        )
+        yield gauge(
+            "turnstile_writer_lag_turns",
+            "Turns received but not yet written to a shard buffer.",
+            max(0, stats.turns_received - stats.turns_written),
+        )
+        yield gauge(
+            "turnstile_recorder_healthy",
+            "1 while the recorder writes without error.",
+            float(recorder.healthy),
+        )
+        yield counter(
+            "turnstile_turns_received", "Turns handed to the recorder.", stats.turns_received
+        )
+        yield counter(
+            "turnstile_turns_written", "Turns written by the recorder.", stats.turns_written
+        )
+        yield counter(
+            "turnstile_samples_written", "Training samples written.", stats.samples_written
+        )
+        yield counter("turnstile_rollouts_written", "Rollout rows written.", stats.rollouts_written)
+        yield counter(
+            "turnstile_retokenized_turns",
+            "Turns the backend returned no token IDs for.",
+            stats.retokenized_turns,
+        )
+        yield counter(
+            "turnstile_dropped", "Work dropped (stays 0: work is refused up front).", stats.dropped
+        )
         breaks = CounterMetricFamily(
-            "turnstile_stitch_breaks", "Samples that start at a stitching break, by kind.",
+            "turnstile_stitch_breaks",
+            "Samples that start at a stitching break, by kind.",
             labels=["kind"],
         )
         counts = dict(stats.breaks_by_kind)
@@ -232,8 +294,11 @@ class _StateCollector(Collector):
         yield from _journal_families(proxy)
         up = self._metrics.backend_up
         if up is not None:
-            yield gauge("turnstile_backend_up",
-                        "1 when the backend's /health answered at the last probe.", up)
+            yield gauge(
+                "turnstile_backend_up",
+                "1 when the backend's /health answered at the last probe.",
+                up,
+            )
 
 
 def _journal_families(proxy: Proxy) -> Iterable[Metric]:
@@ -241,20 +306,29 @@ def _journal_families(proxy: Proxy) -> Iterable[Metric]:
     if journal is None:
         return
     segments = journal.segments()
-    yield GaugeMetricFamily("turnstile_journal_healthy", "1 while the journal appends.",
-                            value=float(journal.healthy))
-    yield GaugeMetricFamily("turnstile_journal_segments", "Journal segment files kept.",
-                            value=len(segments))
-    yield GaugeMetricFamily("turnstile_journal_bytes", "Bytes of journal segments kept.",
-                            value=sum(s.size_bytes for s in segments))
-    yield CounterMetricFamily("turnstile_journal_segments_removed",
-                              "Journal segments removed once published.",
-                              value=proxy.journal_segments_removed)
+    yield GaugeMetricFamily(
+        "turnstile_journal_healthy", "1 while the journal appends.", value=float(journal.healthy)
+    )
+    yield GaugeMetricFamily(
+        "turnstile_journal_segments", "Journal segment files kept.", value=len(segments)
+    )
+    yield GaugeMetricFamily(
+        "turnstile_journal_bytes",
+        "Bytes of journal segments kept.",
+        value=sum(s.size_bytes for s in segments),
+    )
+    yield CounterMetricFamily(
+        "turnstile_journal_segments_removed",
+        "Journal segments removed once published.",
+        value=proxy.journal_segments_removed,
+    )
     # Frames appended but still needed: by open rollouts or by unpublished writer work.
     lag = journal.last_seq + 1 - proxy.retention_floor()
-    yield GaugeMetricFamily("turnstile_journal_lag_frames",
-                            "Journal frames not yet covered by published shards.",
-                            value=max(0, lag))
+    yield GaugeMetricFamily(
+        "turnstile_journal_lag_frames",
+        "Journal frames not yet covered by published shards.",
+        value=max(0, lag),
+    )
 
 
 # -- wiring ---------------------------------------------------------------------------

@@ -71,8 +71,10 @@ def run_server(settings: Settings, worker: WorkerSpec | None = None) -> None:
     app = create_app(settings, worker=worker)
     sockets = None
     if worker is not None:
-        sockets = [_shared_tcp_socket(settings.host, settings.port),
-                   _unix_socket(socket_path(worker.rundir, worker.index))]
+        sockets = [
+            _shared_tcp_socket(settings.host, settings.port),
+            _unix_socket(socket_path(worker.rundir, worker.index)),
+        ]
     config = uvicorn.Config(
         app,
         host=settings.host,

@@ -69,8 +69,9 @@ class Supervisor:
         return previous != self.settings.workers
 
     def _start(self, index: int, env: dict[str, str]) -> None:
-        self.procs[index] = subprocess.Popen([sys.executable, "-m", "turnstile", *self.argv],
-                                             env=env)
+        self.procs[index] = subprocess.Popen(
+            [sys.executable, "-m", "turnstile", *self.argv], env=env
+        )
         self.started[index] = time.monotonic()
 
     def _signal(self, sig: int, frame: FrameType | None) -> None:
@@ -95,8 +96,12 @@ class Supervisor:
         try:
             for i, env in envs.items():
                 self._start(i, env)
-            log.info("started %d workers on %s:%d", len(self.procs), self.settings.host,
-                     self.settings.port)
+            log.info(
+                "started %d workers on %s:%d",
+                len(self.procs),
+                self.settings.host,
+                self.settings.port,
+            )
             return self._watch(envs)
         finally:
             self._stop_all()

@@ -50,10 +50,19 @@ PEER_CONNECT_TIMEOUT_S: Final[float] = 2.0
 BROADCAST_TIMEOUT_S: Final[float] = 10.0
 
 _ROLLOUT_PATH: Final[re.Pattern[str]] = re.compile(r"^/rollouts/(?P<id>[^/]+)(?:/.*)?$")
-_HOP_BY_HOP: Final[frozenset[bytes]] = frozenset({
-    b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"te",
-    b"trailer", b"upgrade", b"host", b"content-length",
-})
+_HOP_BY_HOP: Final[frozenset[bytes]] = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-connection",
+        b"transfer-encoding",
+        b"te",
+        b"trailer",
+        b"upgrade",
+        b"host",
+        b"content-length",
+    }
+)
 _ROLLOUT_HEADER: Final[bytes] = b"x-turnstile-rollout"
 # Set on the copies of a policy-version change sent to the other workers.
 _BROADCAST_HEADER: Final[str] = "x-turnstile-worker-broadcast"
@@ -84,13 +93,20 @@ def socket_path(rundir: Path, index: int) -> Path:
 def peer_clients(spec: WorkerSpec, timeouts: Timeouts) -> dict[int, Backend]:
     """HTTP clients for the other workers' Unix sockets (the owner closes them)."""
     peer_timeouts = Timeouts(
-        min(PEER_CONNECT_TIMEOUT_S, timeouts.connect_s), timeouts.first_byte_s,
-        timeouts.idle_s, timeouts.total_s,
+        min(PEER_CONNECT_TIMEOUT_S, timeouts.connect_s),
+        timeouts.first_byte_s,
+        timeouts.idle_s,
+        timeouts.total_s,
     )
     return {
-        i: AiohttpBackend(f"http://turnstile-worker-{i}", peer_timeouts,
-                          pool_size=PEER_POOL_SIZE, unix_socket=str(socket_path(spec.rundir, i)))
-        for i in range(spec.count) if i != spec.index
+        i: AiohttpBackend(
+            f"http://turnstile-worker-{i}",
+            peer_timeouts,
+            pool_size=PEER_POOL_SIZE,
+            unix_socket=str(socket_path(spec.rundir, i)),
+        )
+        for i in range(spec.count)
+        if i != spec.index
     }
 
 
@@ -114,8 +130,10 @@ class WorkerRouter:
         if method == "POST" and path == "/rollouts":
             await self._create(scope, receive, send)
             return
-        if method == "POST" and path == "/admin/policy_version" and not any(
-            name == _BROADCAST_HEADER.encode() for name, _ in scope["headers"]
+        if (
+            method == "POST"
+            and path == "/admin/policy_version"
+            and not any(name == _BROADCAST_HEADER.encode() for name, _ in scope["headers"])
         ):
             await self._broadcast(scope, receive, send)
             return
@@ -189,7 +207,8 @@ class WorkerRouter:
                 except (TurnstileError, TimeoutError) as exc:
                     err = Overloaded(
                         f"the policy version was set on worker {self.index} but worker {i} "
-                        f"did not take it ({exc}); retry", retry_after_s=1,
+                        f"did not take it ({exc}); retry",
+                        retry_after_s=1,
                     )
                     await send_error(send, err)
                     return
@@ -201,17 +220,21 @@ class WorkerRouter:
     async def _forward(
         self, owner: int, scope: Scope, body: bytes, receive: Receive, send: Send
     ) -> None:
-        path = scope["path"] + (("?" + scope["query_string"].decode("latin-1"))
-                                if scope.get("query_string") else "")
+        path = scope["path"] + (
+            ("?" + scope["query_string"].decode("latin-1")) if scope.get("query_string") else ""
+        )
         try:
             resp = await self.peers[owner].request(
                 scope["method"], path, body or None, _forward_headers(scope)
             )
         except TurnstileError as exc:
-            await send_error(send, Overloaded(
-                f"worker {owner}, which owns this rollout, is unavailable: {exc.message}",
-                retry_after_s=1,
-            ))
+            await send_error(
+                send,
+                Overloaded(
+                    f"worker {owner}, which owns this rollout, is unavailable: {exc.message}",
+                    retry_after_s=1,
+                ),
+            )
             return
         relay = asyncio.ensure_future(self._relay(resp, send))
         watcher = asyncio.ensure_future(_disconnected(receive))
@@ -227,9 +250,11 @@ class WorkerRouter:
 
     @staticmethod
     async def _relay(resp: BackendResponse, send: Send) -> None:
-        headers = [(k.lower().encode("latin-1"), v.encode("latin-1"))
-                   for k, v in resp.headers.items()
-                   if k.lower().encode("latin-1") not in _HOP_BY_HOP]
+        headers = [
+            (k.lower().encode("latin-1"), v.encode("latin-1"))
+            for k, v in resp.headers.items()
+            if k.lower().encode("latin-1") not in _HOP_BY_HOP
+        ]
         await send({"type": "http.response.start", "status": resp.status, "headers": headers})
         async for chunk in resp.iter_chunks():
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
@@ -237,8 +262,11 @@ class WorkerRouter:
 
 
 def _forward_headers(scope: Scope) -> dict[str, str]:
-    return {name.decode("latin-1"): value.decode("latin-1")
-            for name, value in scope["headers"] if name not in _HOP_BY_HOP}
+    return {
+        name.decode("latin-1"): value.decode("latin-1")
+        for name, value in scope["headers"]
+        if name not in _HOP_BY_HOP
+    }
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

@@ -27,12 +27,34 @@ __all__ = ["ChatAnswer", "ChatStream", "completions_body"]
 
 # Chat request fields that mean the same on /v1/completions and are passed through.
 PASSED_FIELDS = (
-    "model", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "n",
-    "ignore_eos", "min_tokens", "skip_special_tokens", "include_stop_str_in_output",
-    "stream", "stream_options", "user", "return_tokens_as_token_ids", "priority",
-    "structured_outputs", "response_format", "spaces_between_special_tokens",
-    "bad_words", "allowed_token_ids", "truncate_prompt_tokens",
+    "model",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "n",
+    "ignore_eos",
+    "min_tokens",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+    "stream",
+    "stream_options",
+    "user",
+    "return_tokens_as_token_ids",
+    "priority",
+    "structured_outputs",
+    "response_format",
+    "spaces_between_special_tokens",
+    "bad_words",
+    "allowed_token_ids",
+    "truncate_prompt_tokens",
 )
 # tool_choice values TITO can honour: it parses the tools the model chose to call. Forcing
 # a call ("required" or a named function) needs the backend's guided decoding of chat.
@@ -48,13 +70,15 @@ def completions_body(chat: dict[str, Any], prompt_ids: list[int]) -> dict[str, A
     if n not in (None, 1):
         raise Unprocessable(
             "TITO mode samples one continuation per turn: 'n' must be 1 (send n requests "
-            "with the same rollout id to branch)", param="n",
+            "with the same rollout id to branch)",
+            param="n",
         )
     choice = chat.get("tool_choice")
     if choice not in SUPPORTED_TOOL_CHOICES:
         raise Unprocessable(
             "TITO mode supports tool_choice 'auto' and 'none' only (forcing a call needs "
-            "the backend's chat endpoint)", param="tool_choice",
+            "the backend's chat endpoint)",
+            param="tool_choice",
         )
     body = {k: chat[k] for k in PASSED_FIELDS if k in chat}
     body["prompt"] = prompt_ids
@@ -113,8 +137,13 @@ class ChatAnswer:
         message.setdefault("tool_calls", [])
         chat_choice = {
             "index": 0,
-            "message": {"refusal": None, "annotations": None, "audio": None,
-                        "function_call": None, **message},
+            "message": {
+                "refusal": None,
+                "annotations": None,
+                "audio": None,
+                "function_call": None,
+                **message,
+            },
             "logprobs": {"content": _logprob_entries(choice.get("logprobs"), self.top_k)},
             "finish_reason": finish_reason(choice.get("finish_reason"), parsed),
             "stop_reason": choice.get("stop_reason"),
@@ -171,10 +200,17 @@ class ChatStream:
             self.started = True
             prompt = choice.get("prompt_token_ids")
             self.prompt_ids = prompt if isinstance(prompt, list) else None
-            first = self._chunk(chunk, [{
-                "index": 0, "delta": {"role": "assistant", "content": ""},
-                "logprobs": None, "finish_reason": None,
-            }])
+            first = self._chunk(
+                chunk,
+                [
+                    {
+                        "index": 0,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ],
+            )
             first["prompt_token_ids"] = self.prompt_ids
             out.append(first)
         ids = choice.get("token_ids")

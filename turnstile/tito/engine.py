@@ -98,8 +98,13 @@ class TitoEngine:
             self._states.popitem(last=False)
 
     def stats(self) -> dict[str, Any]:
-        return {"mode": "tito", "on_rewrite": self.on_rewrite, **self.counts.as_dict(),
-                "open_rollouts": len(self._states), "template": self.template_info}
+        return {
+            "mode": "tito",
+            "on_rewrite": self.on_rewrite,
+            **self.counts.as_dict(),
+            "open_rollouts": len(self._states),
+            "template": self.template_info,
+        }
 
     # -- the prompt ----------------------------------------------------------------
     def _prompt(self, rollout_id: str, body: Mapping[str, Any]) -> tuple[list[int], str]:
@@ -107,10 +112,12 @@ class TitoEngine:
         messages = list(body["messages"])
         tools, kwargs = body.get("tools"), body.get("chat_template_kwargs")
         if kwargs is not None and not isinstance(kwargs, dict):
-            raise Unprocessable("'chat_template_kwargs' must be an object",
-                                param="chat_template_kwargs")
-        found = match(self._states.get(rollout_id, ()), messages,
-                      canonical(tools), canonical(kwargs))
+            raise Unprocessable(
+                "'chat_template_kwargs' must be an object", param="chat_template_kwargs"
+            )
+        found = match(
+            self._states.get(rollout_id, ()), messages, canonical(tools), canonical(kwargs)
+        )
         self.counts.turns += 1
         state = found.state
         if found.kind == "extend" and state is not None:
@@ -118,8 +125,9 @@ class TitoEngine:
             try:
                 delta = self.renderer.delta(messages[: n + 1], messages, tools, kwargs)
             except RenderError as exc:
-                log.warning("rollout %s: no token delta (%s); starting a new segment",
-                            rollout_id, exc)
+                log.warning(
+                    "rollout %s: no token delta (%s); starting a new segment", rollout_id, exc
+                )
             else:
                 self.counts.extended += 1
                 if not delta.history_preserved:
@@ -225,8 +233,12 @@ class _WholeAnswer:
         except (orjson.JSONDecodeError, ValueError, TypeError, AttributeError) as exc:
             raise BackendError(f"the backend's completions response is unusable: {exc}") from exc
         choice = chat["choices"][0]
-        self._turn.commit(parsed.to_openai(), chat.get("prompt_token_ids"),
-                          choice.get("token_ids"), choice.get("finish_reason"))
+        self._turn.commit(
+            parsed.to_openai(),
+            chat.get("prompt_token_ids"),
+            choice.get("token_ids"),
+            choice.get("finish_reason"),
+        )
         return orjson.dumps(chat)
 
     def iter_chunks(self) -> AsyncIterator[bytes]:
@@ -268,8 +280,9 @@ class _StreamAnswer:
         if data.strip() == DONE:
             stream = self._stream
             if stream.finish is not None:
-                self._turn.commit(stream.message().to_openai(), stream.prompt_ids,
-                                  stream.token_ids, stream.finish)
+                self._turn.commit(
+                    stream.message().to_openai(), stream.prompt_ids, stream.token_ids, stream.finish
+                )
             return encode_data(DONE)
         try:
             obj = orjson.loads(data)

@@ -68,8 +68,9 @@ def choose_template(
     """Audit the template and decide what TITO renders with (or refuse)."""
     template = _template_text(hf, template_path)
     try:
-        report = audit_template(hf, template, chat_template_kwargs=kwargs,
-                                stop_token_ids=stop_token_ids)
+        report = audit_template(
+            hf, template, chat_template_kwargs=kwargs, stop_token_ids=stop_token_ids
+        )
     except AuditError as exc:
         raise TemplateRefused(f"the chat template cannot be audited: {exc}") from exc
     if report.tito_safe:
@@ -80,17 +81,24 @@ def choose_template(
         patched = keep_reasoning_patch(template) if "patched" in fix.description else None
         fixed_template = patched or template
         fixed_kwargs = {**kwargs, **(fix.chat_template_kwargs or {})}
-        after = audit_template(hf, fixed_template, chat_template_kwargs=fixed_kwargs,
-                               stop_token_ids=stop_token_ids, suggest_fixes=False)
+        after = audit_template(
+            hf,
+            fixed_template,
+            chat_template_kwargs=fixed_kwargs,
+            stop_token_ids=stop_token_ids,
+            suggest_fixes=False,
+        )
         if after.tito_safe:
             what = "patched template" if patched else "template"
             what += f" with {fix.chat_template_kwargs}"
-            return TemplateChoice(fixed_template, fixed_kwargs, after, fixed=what,
-                                  warnings=list(after.warnings))
+            return TemplateChoice(
+                fixed_template, fixed_kwargs, after, fixed=what, warnings=list(after.warnings)
+            )
     reasons = "; ".join(report.reasons)
     if allow_unsafe:
-        return TemplateChoice(template, kwargs, report,
-                              warnings=[f"template failed the TITO audit: {reasons}"])
+        return TemplateChoice(
+            template, kwargs, report, warnings=[f"template failed the TITO audit: {reasons}"]
+        )
     fixes = " ".join(f"Fix: {fix.description}" for fix in report.fixes)
     raise TemplateRefused(
         f"the chat template is not safe for TITO mode: {reasons}. {fixes} "
@@ -113,8 +121,12 @@ def build_engine(
 ) -> TitoEngine:
     """The TITO engine for `hf` (a Hugging Face tokenizer) in front of `backend`."""
     choice = choose_template(
-        hf, template_path, dict(chat_template_kwargs or {}), apply_fixes=apply_fixes,
-        allow_unsafe=allow_unsafe, stop_token_ids=stop_token_ids,
+        hf,
+        template_path,
+        dict(chat_template_kwargs or {}),
+        apply_fixes=apply_fixes,
+        allow_unsafe=allow_unsafe,
+        stop_token_ids=stop_token_ids,
     )
     if choice.fixed:
         log.warning("TITO: the chat template failed the audit; using the %s", choice.fixed)
@@ -136,6 +148,10 @@ def build_engine(
         "tool_parser": spec.tool,
         "reasoning_parser": spec.reasoning,
     }
-    log.info("TITO mode: parsers %s/%s, template %s", spec.tool, spec.reasoning,
-             choice.report.template_sha256[:12])
+    log.info(
+        "TITO mode: parsers %s/%s, template %s",
+        spec.tool,
+        spec.reasoning,
+        choice.report.template_sha256[:12],
+    )
     return engine

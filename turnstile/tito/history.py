@@ -140,9 +140,7 @@ def _parting(state: TurnState, messages: Sequence[Mapping[str, Any]]) -> tuple[i
     if len(messages) == n:
         return n, "same messages"
     why = same_reply(messages[n], state.reply)
-    return n + (why is None), (
-        f"message {n}: {why}" if why else "extends the previous turn"
-    )
+    return n + (why is None), (f"message {n}: {why}" if why else "extends the previous turn")
 
 
 def match(

@@ -49,15 +49,14 @@ def _group_index(group_ids: Sequence[Hashable]) -> tuple[npt.NDArray[np.int64], 
     """Dense group numbers (0..G-1, in order of first appearance) and the group count."""
     numbers: dict[Hashable, int] = {}
     index = np.fromiter(
-        (numbers.setdefault(g, len(numbers)) for g in group_ids), dtype=np.int64,
+        (numbers.setdefault(g, len(numbers)) for g in group_ids),
+        dtype=np.int64,
         count=len(group_ids),
     )
     return index, len(numbers)
 
 
-def group_normalize(
-    values: npt.ArrayLike, group_ids: Sequence[Hashable], eps: float
-) -> FloatArray:
+def group_normalize(values: npt.ArrayLike, group_ids: Sequence[Hashable], eps: float) -> FloatArray:
     """``(x - mean_group x) / (std_group x + eps)`` with the N-1 std; NaN counts as 0.
 
     A group of one has no spread and gets 0.
@@ -257,7 +256,11 @@ def mrtpo_batch(
     omega = _weights(a.shape[1], weights)
     tokens = [
         mrtpo_token_advantages(
-            a[i], relevance[i], omega, floor, temperature,
+            a[i],
+            relevance[i],
+            omega,
+            floor,
+            temperature,
             None if num_tokens is None else num_tokens[i],
         )
         for i in range(a.shape[0])

@@ -80,8 +80,16 @@ def samples_from_batch(batch: pa.RecordBatch | pa.Table) -> Iterator[TrainSample
     cols = {name: batch.column(name) for name in SAMPLE_COLUMNS}
     lists = {
         name: cols[name].to_pylist()
-        for name in ("rollout_id", "sample_index", "group_id", "task_id", "rollout_status",
-                     "rewards", "min_policy_version", "max_policy_version")
+        for name in (
+            "rollout_id",
+            "sample_index",
+            "group_id",
+            "task_id",
+            "rollout_status",
+            "rewards",
+            "min_policy_version",
+            "max_policy_version",
+        )
     }
 
     ids, ids_off = list_parts(cols["input_ids"], np.int32)
@@ -165,7 +173,11 @@ def assign_mrtpo(
     per_reward = adv.gdpo_reward_advantages(rewards, _group_keys(samples))
     rel = [[relevance.get((s.rollout_id, s.sample_index, k)) for k in names] for s in samples]
     tokens = adv.mrtpo_batch(
-        per_reward, rel, weights, floor, temperature,
+        per_reward,
+        rel,
+        weights,
+        floor,
+        temperature,
         num_tokens=[s.num_loss_tokens for s in samples],
     )
     for s, t in zip(samples, tokens, strict=True):
@@ -254,8 +266,9 @@ def pack_batch(samples: Sequence[TrainSample], max_tokens: int | None = None) ->
         "loss_mask": mask[None],
         "position_ids": np.concatenate([np.arange(n) for n in lengths])[None],
         "behavior_logprobs": np.where(mask > 0, logp, 0.0).astype(np.float32)[None],
-        "advantages": np.concatenate([_token_advantages(s) for s in samples])
-        .astype(np.float32)[None],
+        "advantages": np.concatenate([_token_advantages(s) for s in samples]).astype(np.float32)[
+            None
+        ],
         "sequence_index": np.repeat(np.arange(len(samples)), lengths)[None],
         "cu_seqlens": cu,
         "group_index": adv._group_index(_group_keys(samples))[0],
@@ -263,9 +276,7 @@ def pack_batch(samples: Sequence[TrainSample], max_tokens: int | None = None) ->
     return out
 
 
-def pack_greedy(
-    samples: Sequence[TrainSample], max_tokens: int
-) -> list[list[TrainSample]]:
+def pack_greedy(samples: Sequence[TrainSample], max_tokens: int) -> list[list[TrainSample]]:
     """Split samples, in order, into consecutive packs of at most ``max_tokens`` tokens.
 
     A sample longer than ``max_tokens`` gets a pack of its own.

@@ -117,9 +117,7 @@ class ShardFollower:
         self.poll_interval_s = poll_interval_s
         self.idle_timeout_s = idle_timeout_s
         self.shard_filter = shard_filter
-        self.position = (
-            position if isinstance(position, Position) else Position.from_dict(position)
-        )
+        self.position = position if isinstance(position, Position) else Position.from_dict(position)
         self.stats = FollowStats()
         self._stop = threading.Event()
 
@@ -171,8 +169,9 @@ class ShardFollower:
             start = self.position.row if self.position.shard == key else 0
             self.position.shard, self.position.row = key, start
             row = 0
-            for batch in parquet.iter_batches(batch_size=READ_BATCH_ROWS,
-                                              columns=list(SAMPLE_COLUMNS)):
+            for batch in parquet.iter_batches(
+                batch_size=READ_BATCH_ROWS, columns=list(SAMPLE_COLUMNS)
+            ):
                 if row + batch.num_rows <= start:
                     row += batch.num_rows
                     continue
@@ -211,13 +210,22 @@ def _published_names(fs: pafs.FileSystem, root: str, remote: bool) -> list[str]:
     """The published ``samples`` shards of one output: in an object store those its
     writers' manifests commit (never an upload not yet committed), locally the listing."""
     if remote:
-        return sorted({entry["name"] for manifest in read_manifests(fs, root)
-                       for entry in manifest.get("shards", ())
-                       if entry.get("table") == "samples"})
+        return sorted(
+            {
+                entry["name"]
+                for manifest in read_manifests(fs, root)
+                for entry in manifest.get("shards", ())
+                if entry.get("table") == "samples"
+            }
+        )
     selector = pafs.FileSelector(f"{root}/samples", allow_not_found=True)
-    return [info.base_name for info in fs.get_file_info(selector)
-            if info.type == pafs.FileType.File and info.base_name.startswith(SHARD_PREFIX)
-            and info.base_name.endswith(SHARD_SUFFIX)]
+    return [
+        info.base_name
+        for info in fs.get_file_info(selector)
+        if info.type == pafs.FileType.File
+        and info.base_name.startswith(SHARD_PREFIX)
+        and info.base_name.endswith(SHARD_SUFFIX)
+    ]
 
 
 def _check_metadata(parquet: pq.ParquetFile, key: str) -> None:

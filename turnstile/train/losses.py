@@ -34,9 +34,7 @@ from turnstile.train import corrections
 DEFAULT_CLIP_EPS: Final[float] = 0.2
 
 
-def future_kl_cost(
-    logp_old: Any, logp_ref: Any, mask: Any, bound: float | None = None
-) -> Any:
+def future_kl_cost(logp_old: Any, logp_ref: Any, mask: Any, bound: float | None = None) -> Any:
     """``c_t = sum_{t' >= t} m_t' (log pi_old - log pi_ref)``, optionally clipped to +-bound.
 
     Works on numpy arrays or torch tensors (``(..., T)``); the sum runs over all later
@@ -69,8 +67,9 @@ def ppo_clip_loss(
 ) -> torch.Tensor:
     """The GRPO/PPO token-mean clipped surrogate ``-mean_t w_t min(r A, clip(r) A)``."""
     safe_old = torch.nan_to_num(logp_old.detach(), nan=0.0)
-    ratio = torch.exp((logp - safe_old).clamp(-corrections.LOG_RATIO_CLAMP,
-                                              corrections.LOG_RATIO_CLAMP))
+    ratio = torch.exp(
+        (logp - safe_old).clamp(-corrections.LOG_RATIO_CLAMP, corrections.LOG_RATIO_CLAMP)
+    )
     adv = advantages.detach()
     surrogate = torch.minimum(ratio * adv, ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps) * adv)
     if weights is not None:

@@ -13,8 +13,12 @@ from typing import Any
 import torch
 
 
-def _logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-            position_ids: torch.Tensor | None) -> torch.Tensor:
+def _logits(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+) -> torch.Tensor:
     kwargs: dict[str, Any] = {"input_ids": input_ids}
     if attention_mask is not None:
         kwargs["attention_mask"] = attention_mask

@@ -190,8 +190,18 @@ def score_prompt_logprobs(
         out["tp"][i], out["tq"][i] = result.tail_p, result.tail_q
         out["lpb"][i] = top_p.get(token, np.nan)
         out["lpi"][i] = top_q.get(token, np.nan)
-    return ReplayRow(job, METHOD_PROMPT_LOGPROBS, top_k, out["jsd"], out["upper"], out["tp"],
-                     out["tq"], out["lpb"], out["lpi"], model)
+    return ReplayRow(
+        job,
+        METHOD_PROMPT_LOGPROBS,
+        top_k,
+        out["jsd"],
+        out["upper"],
+        out["tp"],
+        out["tq"],
+        out["lpb"],
+        out["lpi"],
+        model,
+    )
 
 
 # ----------------------------------------------------------------- the backend
@@ -218,7 +228,10 @@ class BackendScorer:
     """Scores token-ID prompts through a vLLM server's ``prompt_logprobs``."""
 
     def __init__(
-        self, backend: str, model: str | None = None, top_k: int = DEFAULT_TOP_K,
+        self,
+        backend: str,
+        model: str | None = None,
+        top_k: int = DEFAULT_TOP_K,
         api_key: str | None = None,
     ) -> None:
         self.backend = backend.rstrip("/")
@@ -283,8 +296,9 @@ def rows_table(rows: Sequence[ReplayRow]) -> pa.Table:
     """The replays table for ``rows``."""
 
     def floats(name: str) -> pa.Array:
-        return pa.array([np.asarray(getattr(r, name), np.float32) for r in rows],
-                        type=pa.list_(pa.float32()))
+        return pa.array(
+            [np.asarray(getattr(r, name), np.float32) for r in rows], type=pa.list_(pa.float32())
+        )
 
     now = time.time()
     return pa.table(
@@ -295,8 +309,9 @@ def rows_table(rows: Sequence[ReplayRow]) -> pa.Table:
             "method": [r.method for r in rows],
             "top_k": pa.array([r.top_k for r in rows], pa.int32()),
             "info_num_tokens": pa.array([len(r.job.info_ids) for r in rows], pa.int32()),
-            "positions": pa.array([r.job.positions.astype(np.int32) for r in rows],
-                                  type=pa.list_(pa.int32())),
+            "positions": pa.array(
+                [r.job.positions.astype(np.int32) for r in rows], type=pa.list_(pa.int32())
+            ),
             "jsd": floats("jsd"),
             "jsd_upper": floats("jsd_upper"),
             "tail_base": floats("tail_base"),
@@ -382,8 +397,12 @@ def relevance_for(
 def done_keys(output: str | Path, method: str) -> frozenset[tuple[str, int, str]]:
     table = read_replays(output, method)
     return frozenset(
-        zip(table["rollout_id"].to_pylist(), table["sample_index"].to_pylist(),
-            table["reward_name"].to_pylist(), strict=True)
+        zip(
+            table["rollout_id"].to_pylist(),
+            table["sample_index"].to_pylist(),
+            table["reward_name"].to_pylist(),
+            strict=True,
+        )
     )
 
 
@@ -471,9 +490,10 @@ def replay_backend(
     jobs = list(build_jobs(pool, scorer.tokenize, template, done, rewards))
     written = 0
     pending: list[ReplayRow] = []
-    with progress_bar(len(jobs), "replay", progress) as bar, ThreadPoolExecutor(
-        max_workers=max(1, concurrency)
-    ) as executor:
+    with (
+        progress_bar(len(jobs), "replay", progress) as bar,
+        ThreadPoolExecutor(max_workers=max(1, concurrency)) as executor,
+    ):
         for rows in executor.map(scorer.score, _chunks(jobs, max(1, prompts_per_request))):
             pending.extend(rows)
             bar.update(len(rows))

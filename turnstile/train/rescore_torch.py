@@ -43,8 +43,9 @@ def score_model(model: Any, job: rescore.ReplayJob, name: str | None = None) -> 
     lpb = p.gather(-1, tokens[:, None]).squeeze(-1).double().cpu().numpy()
     lpi = q.gather(-1, tokens[:, None]).squeeze(-1).double().cpu().numpy()
     zeros = np.zeros_like(d)
-    return rescore.ReplayRow(job, rescore.METHOD_LOGITS, None, d, d.copy(), zeros,
-                             zeros.copy(), lpb, lpi, name)
+    return rescore.ReplayRow(
+        job, rescore.METHOD_LOGITS, None, d, d.copy(), zeros, zeros.copy(), lpb, lpi, name
+    )
 
 
 def replay_model(
@@ -76,8 +77,9 @@ def load_hf_model(model_dir: str | Path) -> tuple[Any, Callable[[str], list[int]
     """A local ``transformers`` causal LM (float32, eval mode) and its tokenize function."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
-                                                 local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=torch.float32, local_files_only=True
+    )
     model.train(False)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
 

@@ -46,14 +46,16 @@ class ShardIterableDataset(IterableDataset[Any]):
         self.paths = paths
         self.group_size = group_size
         self.kwargs: dict[str, Any] = dict(
-            statuses=statuses, policy_version_min=policy_version_min,
-            policy_version_max=policy_version_max, max_staleness=max_staleness,
-            current_version=current_version, follow=follow, poll_interval_s=poll_interval_s,
+            statuses=statuses,
+            policy_version_min=policy_version_min,
+            policy_version_max=policy_version_max,
+            max_staleness=max_staleness,
+            current_version=current_version,
+            follow=follow,
+            poll_interval_s=poll_interval_s,
             idle_timeout_s=idle_timeout_s,
         )
-        self.position = position if isinstance(position, Position) else Position.from_dict(
-            position
-        )
+        self.position = position if isinstance(position, Position) else Position.from_dict(position)
         self.follower: ShardFollower | None = None
 
     def state_dict(self) -> dict[str, Any]:

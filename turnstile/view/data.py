@@ -26,23 +26,64 @@ from turnstile.reader import ShardReader, rewards_dict
 TOKEN_TEXT_CACHE_SIZE: Final[int] = 200_000
 
 TURN_SUMMARY_COLUMNS: Final[tuple[str, ...]] = (
-    "turn_id", "rollout_id", "turn_index", "choice_index", "endpoint", "model",
-    "policy_version", "status", "http_status", "error", "token_source", "finish_reason",
-    "num_prompt_tokens", "num_completion_tokens", "queue_s", "ttft_s", "total_s",
+    "turn_id",
+    "rollout_id",
+    "turn_index",
+    "choice_index",
+    "endpoint",
+    "model",
+    "policy_version",
+    "status",
+    "http_status",
+    "error",
+    "token_source",
+    "finish_reason",
+    "num_prompt_tokens",
+    "num_completion_tokens",
+    "queue_s",
+    "ttft_s",
+    "total_s",
 )
 SAMPLE_SUMMARY_COLUMNS: Final[tuple[str, ...]] = (
-    "rollout_id", "sample_index", "rollout_status", "token_source", "num_tokens",
-    "num_loss_tokens", "reward", "num_turns", "break_kind", "break_position",
-    "parent_sample_index", "min_policy_version", "max_policy_version",
+    "rollout_id",
+    "sample_index",
+    "rollout_status",
+    "token_source",
+    "num_tokens",
+    "num_loss_tokens",
+    "reward",
+    "num_turns",
+    "break_kind",
+    "break_position",
+    "parent_sample_index",
+    "min_policy_version",
+    "max_policy_version",
 )
 ROLLOUT_COLUMNS: Final[tuple[str, ...]] = (
-    "rollout_id", "group_id", "task_id", "status", "rewards", "reward", "metadata",
-    "num_turns", "num_samples", "num_breaks", "created_at", "sealed_at",
-    "policy_versions", "min_policy_version", "max_policy_version",
+    "rollout_id",
+    "group_id",
+    "task_id",
+    "status",
+    "rewards",
+    "reward",
+    "metadata",
+    "num_turns",
+    "num_samples",
+    "num_breaks",
+    "created_at",
+    "sealed_at",
+    "policy_versions",
+    "min_policy_version",
+    "max_policy_version",
 )
 _DETAIL_TURN_COLUMNS: Final[tuple[str, ...]] = (
-    *TURN_SUMMARY_COLUMNS, "stop_reason", "request_messages_json", "request_tools_json",
-    "response_message_json", "response_text", "sampling_params_json",
+    *TURN_SUMMARY_COLUMNS,
+    "stop_reason",
+    "request_messages_json",
+    "request_tools_json",
+    "response_message_json",
+    "response_text",
+    "sampling_params_json",
 )
 
 
@@ -157,9 +198,7 @@ class OutputData:
     def rollout(self, rollout_id: str) -> dict[str, Any] | None:
         """One rollout with its samples (token arrays as lists) and turns; None if unknown."""
         where = pc.field("rollout_id") == rollout_id
-        rows = self.reader.dataset("rollouts").to_table(
-            columns=list(ROLLOUT_COLUMNS), filter=where
-        )
+        rows = self.reader.dataset("rollouts").to_table(columns=list(ROLLOUT_COLUMNS), filter=where)
         samples = self.reader.dataset("samples").to_table(filter=where)
         turns = self.reader.dataset("turns").to_table(
             columns=list(_DETAIL_TURN_COLUMNS), filter=where
@@ -170,7 +209,8 @@ class OutputData:
         if rows.num_rows:
             info = _rows(rows.slice(rows.num_rows - 1))[0]
             info["rewards_info"] = {
-                r["name"]: r["info"] for r in rows.column("rewards")[-1].as_py() or []
+                r["name"]: r["info"]
+                for r in rows.column("rewards")[-1].as_py() or []
                 if r.get("info") is not None
             }
             info["rewards"] = rewards_dict(info["rewards"])
@@ -184,8 +224,12 @@ class OutputData:
         sample_rows.sort(key=lambda s: s["sample_index"])
         turn_rows = _rows(turns)
         for t in turn_rows:
-            for key in ("request_messages_json", "request_tools_json",
-                        "response_message_json", "sampling_params_json"):
+            for key in (
+                "request_messages_json",
+                "request_tools_json",
+                "response_message_json",
+                "sampling_params_json",
+            ):
                 t[key.removesuffix("_json")] = _json_or_text(t.pop(key))
         turn_rows.sort(key=lambda t: (t["turn_index"], t["choice_index"]))
         info["samples"] = sample_rows

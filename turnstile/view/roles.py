@@ -14,8 +14,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Final
 
-ROLES: Final[frozenset[str]] = frozenset({"system", "user", "assistant", "tool", "ipython",
-                                          "developer"})
+ROLES: Final[frozenset[str]] = frozenset(
+    {"system", "user", "assistant", "tool", "ipython", "developer"}
+)
 # Hermes-style tool markers: opening piece -> (closing piece, label).
 TOOL_MARKERS: Final[dict[str, tuple[str, str]]] = {
     "<tool_call>": ("</tool_call>", "tool_call"),

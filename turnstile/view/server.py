@@ -48,16 +48,18 @@ def overview(data: OutputData, tokens: TokenText) -> dict[str, Any]:
     for r in rollouts:
         if r["max_policy_version"] is None:
             continue
-        bucket = by_version.setdefault(r["max_policy_version"],
-                                       {"reward": [], "tokens": [], "loss": [], "n": []})
+        bucket = by_version.setdefault(
+            r["max_policy_version"], {"reward": [], "tokens": [], "loss": [], "n": []}
+        )
         bucket["n"].append(1.0)
         if r["reward"] is not None:
             bucket["reward"].append(r["reward"])
     for s in samples:
         if s["max_policy_version"] is None:
             continue
-        bucket = by_version.setdefault(s["max_policy_version"],
-                                       {"reward": [], "tokens": [], "loss": [], "n": []})
+        bucket = by_version.setdefault(
+            s["max_policy_version"], {"reward": [], "tokens": [], "loss": [], "n": []}
+        )
         bucket["tokens"].append(s["num_tokens"])
         bucket["loss"].append(s["num_loss_tokens"])
 
@@ -65,8 +67,13 @@ def overview(data: OutputData, tokens: TokenText) -> dict[str, Any]:
         return statistics.fmean(values) if values else None
 
     versions = [
-        {"version": v, "rollouts": len(b["n"]), "mean_reward": mean(b["reward"]),
-         "mean_tokens": mean(b["tokens"]), "mean_loss_tokens": mean(b["loss"])}
+        {
+            "version": v,
+            "rollouts": len(b["n"]),
+            "mean_reward": mean(b["reward"]),
+            "mean_tokens": mean(b["tokens"]),
+            "mean_loss_tokens": mean(b["loss"]),
+        }
         for v, b in sorted(by_version.items())
     ]
     return {
@@ -84,12 +91,15 @@ def _token_rows(sample: dict[str, Any], tokens: TokenText) -> list[list[Any]]:
     special = [tokens.is_special(i) for i in ids]
     roles = token_roles(pieces, special)
     mask, lps = sample["loss_mask"], sample["behavior_logprobs"]
-    return [[ids[i], pieces[i], int(mask[i]), lps[i], roles[i], int(special[i])]
-            for i in range(len(ids))]
+    return [
+        [ids[i], pieces[i], int(mask[i]), lps[i], roles[i], int(special[i])]
+        for i in range(len(ids))
+    ]
 
 
-def _break_view(rollout: dict[str, Any], sample: dict[str, Any],
-                tokens: TokenText) -> dict[str, Any] | None:
+def _break_view(
+    rollout: dict[str, Any], sample: dict[str, Any], tokens: TokenText
+) -> dict[str, Any] | None:
     parent_index = sample["parent_sample_index"]
     if parent_index is None:
         return None
@@ -99,8 +109,11 @@ def _break_view(rollout: dict[str, Any], sample: dict[str, Any],
     parent_ids = [int(i) for i in parents[0]["input_ids"][lo:hi]] if parents else []
     own_ids = [int(i) for i in sample["input_ids"][lo:hi]]
     return {
-        "kind": sample["break_kind"], "position": pos, "start": lo,
-        "detail": sample["break_detail"], "parent": parent_index,
+        "kind": sample["break_kind"],
+        "position": pos,
+        "start": lo,
+        "detail": sample["break_detail"],
+        "parent": parent_index,
         "parent_tokens": [[i, tokens.piece(i)] for i in parent_ids],
         "tokens": [[i, tokens.piece(i)] for i in own_ids],
     }
@@ -112,13 +125,18 @@ def rollout_view(data: OutputData, tokens: TokenText, rollout_id: str) -> dict[s
         return None
     out_samples = []
     for s in rollout["samples"]:
-        out_samples.append({
-            **{k: v for k, v in s.items()
-               if k not in ("input_ids", "loss_mask", "behavior_logprobs")},
-            "tokens": _token_rows(s, tokens),
-            "truncated": s["num_tokens"] > MAX_TOKENS_PER_SAMPLE,
-            "break": _break_view(rollout, s, tokens),
-        })
+        out_samples.append(
+            {
+                **{
+                    k: v
+                    for k, v in s.items()
+                    if k not in ("input_ids", "loss_mask", "behavior_logprobs")
+                },
+                "tokens": _token_rows(s, tokens),
+                "truncated": s["num_tokens"] > MAX_TOKENS_PER_SAMPLE,
+                "break": _break_view(rollout, s, tokens),
+            }
+        )
     return {**rollout, "samples": out_samples, "decoded": tokens.available}
 
 
@@ -135,8 +153,11 @@ def build_app(directory: Path, tokenizer: Path | None = None) -> FastAPI:
 
     def static(name: str) -> Response:
         path = STATIC_DIR / name
-        return Response(path.read_bytes(), media_type=_STATIC_TYPES[path.suffix],
-                        headers={"Cache-Control": "no-cache"})
+        return Response(
+            path.read_bytes(),
+            media_type=_STATIC_TYPES[path.suffix],
+            headers={"Cache-Control": "no-cache"},
+        )
 
     @app.get("/", include_in_schema=False)
     def index() -> Response:
@@ -164,12 +185,17 @@ def build_app(directory: Path, tokenizer: Path | None = None) -> FastAPI:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("directory", type=Path, help="Turnstile output directory")
-    p.add_argument("--tokenizer", type=Path, metavar="DIR",
-                   help="local tokenizer directory to decode tokens (default: the one the "
-                   "shards were recorded with, if it exists here; else ids are shown)")
+    p.add_argument(
+        "--tokenizer",
+        type=Path,
+        metavar="DIR",
+        help="local tokenizer directory to decode tokens (default: the one the "
+        "shards were recorded with, if it exists here; else ids are shown)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT,
-                   help=f"port to bind (default {DEFAULT_PORT})")
+    p.add_argument(
+        "--port", type=int, default=DEFAULT_PORT, help=f"port to bind (default {DEFAULT_PORT})"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -201,8 +201,11 @@ def add_routes(
         ok = recorder.healthy and journal_ok and not proxy.draining
         body = {
             "status": "ok" if ok else ("draining" if proxy.draining else "unhealthy"),
-            "recorder": {"healthy": recorder.healthy, "error": recorder.error,
-                         "backlog": recorder.backlog},
+            "recorder": {
+                "healthy": recorder.healthy,
+                "error": recorder.error,
+                "backlog": recorder.backlog,
+            },
             "journal": {"healthy": journal_ok, **_journal_usage(proxy)},
             "open_rollouts": proxy.registry.open_count,
         }
@@ -290,17 +293,22 @@ def add_routes(
         for method in methods:
             slug = path.strip("/").split("/")[0]
             router.add_api_route(
-                path, passthrough, methods=[method], tags=[tag],
+                path,
+                passthrough,
+                methods=[method],
+                tags=[tag],
                 operation_id=f"passthrough_{slug}_{method.lower()}",
                 summary=f"{method} passed through to the backend",
             )
+
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(TurnstileError)
     async def _turnstile_error(request: Request, exc: TurnstileError) -> Response:
         if exc.status >= 500:
-            log.warning("%s %s -> %d: %s", request.method, request.url.path, exc.status,
-                        exc.message)
+            log.warning(
+                "%s %s -> %d: %s", request.method, request.url.path, exc.status, exc.message
+            )
         return error_response(exc)
 
     @app.exception_handler(RequestValidationError)

@@ -66,10 +66,13 @@ class CompletionFastPath:
         if isinstance(result, StreamRelay):
             await StreamingRelayResponse(result)(scope, receive, send)
             return
-        headers = [(b"content-type", result.content_type.encode("latin-1")),
-                   (b"content-length", str(len(result.body)).encode())]
-        headers += [(k.lower().encode("latin-1"), v.encode("latin-1"))
-                    for k, v in result.headers.items()]
+        headers = [
+            (b"content-type", result.content_type.encode("latin-1")),
+            (b"content-length", str(len(result.body)).encode()),
+        ]
+        headers += [
+            (k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in result.headers.items()
+        ]
         await send({"type": "http.response.start", "status": result.status, "headers": headers})
         await send({"type": "http.response.body", "body": result.body})
 

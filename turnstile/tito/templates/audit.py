@@ -95,9 +95,7 @@ class _Collector:
             result.break_ = found
 
 
-def _changed(
-    earlier: str, at: int, prefixes: list[str | None], gen_from: int | None
-) -> int | None:
+def _changed(earlier: str, at: int, prefixes: list[str | None], gen_from: int | None) -> int | None:
     """The index of the message whose rendering contains position ``at`` of ``earlier``;
     ``prefixes[i]`` renders the first ``i`` messages. None: the generation prompt (which
     starts at ``gen_from``)."""
@@ -162,9 +160,9 @@ def _check_pair(
             trigger=trigger,
             changed=changed,
             changed_index=index,
-            description=description if not text_ok else (
-                "the text is preserved but the tokens at this point are merged differently"
-            ),
+            description=description
+            if not text_ok
+            else ("the text is preserved but the tokens at this point are merged differently"),
             char_index=at,
             earlier=_context(earlier, at),
             later=_context(later, at),
@@ -222,8 +220,7 @@ def _content_break(
             continue
         if fragment in message.json_arguments:
             description = (
-                "tool-call arguments given as a JSON string are re-serialised, not rendered "
-                "as sent"
+                "tool-call arguments given as a JSON string are re-serialised, not rendered as sent"
             )
         elif "tool_calls" in message.body and fragment.isascii():
             description = f"the template does not render this turn's tool calls ({fragment!r})"
@@ -422,9 +419,9 @@ def audit_template(
     renderer = Renderer(hf, template, kwargs, vllm_messages)
     stops = stop_ids(hf, stop_token_ids)
     generation_prompt = _generation_prompt(renderer)
-    open_think = "<think>" in generation_prompt and "</think>" not in generation_prompt.split(
-        "<think>"
-    )[-1]
+    open_think = (
+        "<think>" in generation_prompt and "</think>" not in generation_prompt.split("<think>")[-1]
+    )
     collector = _Collector()
     outcomes = {
         conv.name: _audit_conversation(renderer, conv, stops, collector)

@@ -47,8 +47,8 @@ def keep_reasoning_patch(template: str) -> str | None:
         return None
     patched = _QWEN_LAST_QUERY.sub(_QWEN36_CONDITION, template, count=1)
     return patched.replace(
-        _QWEN3_EMPTY_THINK, f"(preserve_thinking is defined and preserve_thinking is true) or "
-        f"{_QWEN3_EMPTY_THINK}"
+        _QWEN3_EMPTY_THINK,
+        f"(preserve_thinking is defined and preserve_thinking is true) or {_QWEN3_EMPTY_THINK}",
     )
 
 

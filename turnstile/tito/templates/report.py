@@ -25,8 +25,7 @@ def _kind_line(result: KindResult) -> str:
     text = _mark(result.prefix_preserving)
     tokens = _mark(result.token_prefix_preserving)
     return (
-        f"  {result.kind:<{_KIND_WIDTH}} {result.status:<11} text {text:<5} "
-        f"tokens {tokens:<5}{eot}"
+        f"  {result.kind:<{_KIND_WIDTH}} {result.status:<11} text {text:<5} tokens {tokens:<5}{eot}"
     )
 
 
