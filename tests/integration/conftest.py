@@ -1,4 +1,5 @@
-"""Fixtures for tests against the embedded backend: a real vLLM serving a tiny Qwen3.
+"""Fixtures for tests against real components: a real vLLM serving a tiny Qwen3, and the
+real vocabularies and chat templates of llama.cpp (tests marked ``assets``).
 
 The first session builds the vLLM environment, the tokenizer and the model into the
 Turnstile cache (``turnstile.dev.devstack``); later sessions reuse them. One vLLM server is

@@ -1,10 +1,12 @@
 """The Turnstile cache directory: paths, locks, markers and logged subprocesses.
 
-Everything the embedded backend builds (``turnstile.dev.devstack`` and ``turnstile.dev.tinyqwen``)
+Everything the development stack builds (``turnstile.dev.vllm_env``, ``llama_cpp_assets``,
+``qwen3_tokenizer``, ``tinyqwen`` and ``vocab``)
 lives under ``cache_root()`` (``$TURNSTILE_CACHE``, else ``~/.cache/turnstile``)::
 
     vllm-0.32.0-venv/        the vLLM virtual environment
     downloads/               the llama-cpp-python source distribution
+    template-audit/          one tokenizer directory per vocabulary of the template corpus
     llama-cpp-assets/        vocab/ (ggml-vocab-*.gguf and their .inp/.out test vectors),
                              templates/ (*.jinja chat templates), LICENSE (llama.cpp's)
     qwen3-tokenizer/         the Hugging Face tokenizer directory
@@ -13,7 +15,10 @@ lives under ``cache_root()`` (``$TURNSTILE_CACHE``, else ``~/.cache/turnstile``)
     logs/                    install, build and server logs
 
 Each artefact is built into a temporary directory and renamed into place with a marker file
-naming what was built, so an interrupted build is redone rather than trusted. Builds take a
+holding the digest of everything that builds it (``build_digest``: the recipe's values and
+the source of the modules that build it), so an interrupted build is redone rather than
+trusted, and a change to a builder, its pinned versions or its inputs rebuilds the artefact
+(``is_current`` logs why). Builds take a
 file lock, so concurrent processes (parallel test sessions) wait for one another. This module
 holds the helpers for that: the cache paths, the file lock, marker checks, removal, running
 a logged subprocess, and the offline environment. POSIX only (``fcntl`` locks).
@@ -23,6 +28,8 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -34,13 +41,20 @@ __all__ = [
     "LOCK_POLL_INTERVAL_S",
     "LOCK_WAIT_TIMEOUT_S",
     "LOG_TAIL_LINES",
+    "NO_BUILD_ENV",
     "PIP_INSTALL_TIMEOUT_S",
     "DevstackError",
     "Log",
+    "build_digest",
     "cache_root",
+    "is_current",
+    "read_marker",
 ]
 
 Log = Callable[[str], None]
+
+# Set (to anything) where nothing may be built or downloaded: tests/unit sets it.
+NO_BUILD_ENV = "TURNSTILE_NO_BUILD"
 
 # --- Timeouts and limits ------------------------------------------------------------------
 
@@ -109,11 +123,44 @@ def _file_lock(path: Path, timeout_s: float = LOCK_WAIT_TIMEOUT_S) -> Iterator[N
             fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
-def _marker_matches(marker: Path, expected: str) -> bool:
+def build_digest(recipe: object, sources: Sequence[Path] = ()) -> str:
+    """The digest an artefact is keyed by: SHA-256 over its recipe (JSON: pinned versions,
+    configs, the digests of its inputs) and the bytes of every source file that builds it."""
+    digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode())
+    for source in sources:
+        digest.update(b"\0" + source.name.encode() + b"\0")
+        digest.update(source.read_bytes())
+    return digest.hexdigest()
+
+
+def read_marker(marker: Path) -> str | None:
+    """The digest a built artefact's marker holds, or None when it is missing."""
     try:
-        return marker.read_text(encoding="utf-8") == expected
+        return marker.read_text(encoding="utf-8").strip()
     except OSError:
-        return False
+        return None
+
+
+def is_current(marker: Path, digest: str, what: str, log: Log) -> bool:
+    """Whether the artefact behind ``marker`` was built from ``digest``; if not, log why it is
+    about to be (re)built, or refuse when ``$TURNSTILE_NO_BUILD`` is set."""
+    found = read_marker(marker)
+    if found == digest:
+        return True
+    if os.environ.get(NO_BUILD_ENV):
+        raise DevstackError(
+            f"{what} would be built (or downloaded) into {marker.parent}, but {NO_BUILD_ENV} "
+            "is set: this process may use only what is already built"
+        )
+    if found is None:
+        log(f"cache: {what} not built yet (digest {digest[:12]}); building")
+    else:
+        log(f"cache: {what} was built from digest {found[:12]}, now {digest[:12]}; rebuilding")
+    return False
+
+
+def _marker_matches(marker: Path, expected: str) -> bool:
+    return read_marker(marker) == expected.strip()
 
 
 def _remove(path: Path) -> None:

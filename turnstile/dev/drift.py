@@ -585,8 +585,8 @@ def markdown(rows: list[TemplateDrift]) -> str:
 
 def corpus(log: Callable[[str], None] = print) -> list[TemplateDrift]:
     """`measure` over every vendored template that pairs with a vendored vocabulary."""
+    from turnstile.dev.llama_cpp_assets import ensure_llama_cpp_assets
     from turnstile.dev.template_corpus import PAIRINGS
-    from turnstile.dev.tinyqwen import ensure_llama_cpp_assets
     from turnstile.dev.vocab import ensure_vocab_tokenizer
 
     assets = ensure_llama_cpp_assets(log=lambda _: None)

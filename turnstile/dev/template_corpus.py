@@ -1,7 +1,7 @@
 """The template corpus: every vendored chat template that pairs with a vendored vocabulary.
 
 llama.cpp vendors about 70 verbatim chat templates and a few real vocabularies
-(``turnstile.dev.tinyqwen.ensure_llama_cpp_assets``). ``PAIRINGS`` maps each template that
+(``turnstile.dev.llama_cpp_assets.ensure_llama_cpp_assets``). ``PAIRINGS`` maps each template that
 belongs to a family with a vendored vocabulary to a ``VocabSpec`` for that family;
 ``SKIPPED`` says why the others cannot be paired. ``audit_corpus`` audits every pairing and
 returns a table row per template; ``corpus_markdown`` formats it for the README.
@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from turnstile.dev.tinyqwen import QWEN3_ADDED_TOKENS, ensure_llama_cpp_assets
+from turnstile.dev.llama_cpp_assets import ensure_llama_cpp_assets
+from turnstile.dev.qwen3_tokenizer import QWEN3_ADDED_TOKENS
 from turnstile.dev.vocab import VocabSpec, ensure_vocab_tokenizer, load_tokenizer
 from turnstile.tito.templates.audit import audit_template
 from turnstile.tito.templates.battery import TOOLS

@@ -2,9 +2,10 @@
 
 Run by ``turnstile.dev.devstack.ensure_tiny_qwen3`` with the vLLM environment's Python, which has
 torch (the project's own environment does not). It imports only torch, transformers and the
-standard library, so it runs as a plain script::
+standard library, so it runs as a plain script, with ``-P`` so that the modules beside it
+cannot shadow the ones torch imports::
 
-    python _tiny_model_builder.py --spec build-spec.json --out MODEL_DIR
+    python -P tiny_model_builder.py --spec build-spec.json --out MODEL_DIR
 
 The spec is JSON with ``config`` (``Qwen3Config`` keyword arguments), ``generation_config``
 and ``seed``. The weights are initialised from the seed, cast to bfloat16 and saved as

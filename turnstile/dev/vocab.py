@@ -3,8 +3,8 @@
 The template audit needs a real tokenizer for each chat template it checks: token-level
 prefix checks and end-of-turn detection depend on which markers are single special tokens
 and how text next to them is split. llama.cpp ships real vocabularies
-(``ggml-vocab-*.gguf``, see ``turnstile.dev.tinyqwen.ensure_llama_cpp_assets``) with test vectors;
-this module turns one into a ``tokenizer.json`` + ``tokenizer_config.json`` (+
+(``ggml-vocab-*.gguf``, see ``turnstile.dev.llama_cpp_assets``) with test vectors; this
+module turns one into a ``tokenizer.json`` + ``tokenizer_config.json`` (+
 ``generation_config.json`` for stop tokens) directory and checks it against those vectors.
 
 Two GGUF tokenizer models are supported: ``gpt2`` (byte-level BPE with merges: Qwen2/2.5/3,
@@ -18,7 +18,6 @@ spec, so tests and the corpus audit build each once.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import shutil
@@ -27,13 +26,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from turnstile.dev.cache import DevstackError, Log, _file_lock, _marker_matches, _remove, _root
-from turnstile.dev.tinyqwen import (
-    LLAMA_CPP_PYTHON_REQUIREMENT,
-    QWEN_PRETOKENIZE_PATTERN,
+from turnstile.dev.cache import (
+    DevstackError,
+    Log,
+    _file_lock,
+    _marker_matches,
+    _remove,
+    _root,
+    build_digest,
+    is_current,
+)
+from turnstile.dev.llama_cpp_assets import (
+    assets_digest,
     ensure_llama_cpp_assets,
     read_llama_cpp_test_vectors,
 )
+from turnstile.dev.qwen3_tokenizer import QWEN_PRETOKENIZE_PATTERN
 
 __all__ = [
     "VocabSpec",
@@ -69,7 +77,6 @@ _BPE_PRETOKENIZERS: dict[str, tuple[str, bool, bool]] = {
     "llama-bpe": (LLAMA3_PRETOKENIZE_PATTERN, False, True),
 }
 # Bump when the files this module writes change, so cached tokenizers are rebuilt.
-_BUILD_REVISION = 1
 _CACHE_DIR = "template-audit"
 
 
@@ -93,20 +100,19 @@ class VocabSpec:
     stop_tokens: tuple[str, ...] = ()
 
     def digest(self) -> str:
-        spec = json.dumps(
-            [
-                LLAMA_CPP_PYTHON_REQUIREMENT,
-                _BUILD_REVISION,
-                self.vocab_file,
-                self.token_overrides,
-                self.appended_tokens,
-                self.eos_token,
-                self.bos_token,
-                self.stop_tokens,
-                sorted(_BPE_PRETOKENIZERS.items()),
-            ]
-        )
-        return hashlib.sha256(spec.encode()).hexdigest()[:16]
+        """The digest this vocabulary's tokenizer directory is keyed by: the spec, the
+        assets' digest and this module, which builds it."""
+        recipe = [
+            assets_digest(),
+            self.vocab_file,
+            self.token_overrides,
+            self.appended_tokens,
+            self.eos_token,
+            self.bos_token,
+            self.stop_tokens,
+            sorted(_BPE_PRETOKENIZERS.items()),
+        ]
+        return build_digest(recipe, [Path(__file__)])[:16]
 
 
 @dataclass
@@ -405,7 +411,7 @@ def ensure_vocab_tokenizer(spec: VocabSpec, root: Path | None = None, log: Log =
     directory = base / _CACHE_DIR / f"{Path(spec.vocab_file).stem}-{spec.digest()}"
     marker = directory / ".turnstile-complete"
     expected = spec.digest() + "\n"
-    if _marker_matches(marker, expected):
+    if is_current(marker, expected.strip(), f"the {spec.vocab_file} tokenizer", log):
         return directory
     assets = ensure_llama_cpp_assets(base, log)
     vocab_file = assets / "vocab" / spec.vocab_file

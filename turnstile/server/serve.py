@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import socket
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
@@ -31,11 +32,24 @@ class GracefulServer(uvicorn.Server):
     everything was published; supervisors and compose read that as a crash.
     """
 
-    def __init__(self, config: uvicorn.Config, proxy: Proxy, drain_timeout_s: float) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        proxy: Proxy,
+        drain_timeout_s: float,
+        on_started: Callable[[], None] | None = None,
+    ) -> None:
         super().__init__(config)
         self._proxy = proxy
         self._drain_timeout_s = drain_timeout_s
+        self._on_started = on_started
         self._drain_task: asyncio.Task[None] | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        """Start the app and listen; then call `on_started` (the app answers from now on)."""
+        await super().startup(sockets)
+        if self.started and self._on_started is not None:
+            self._on_started()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._drain_task is None and not self.should_exit:
@@ -62,8 +76,13 @@ class GracefulServer(uvicorn.Server):
             captured.clear()
 
 
-def run_server(settings: Settings, worker: WorkerSpec | None = None) -> None:
+def run_server(
+    settings: Settings,
+    worker: WorkerSpec | None = None,
+    on_started: Callable[[], None] | None = None,
+) -> None:
     """Serve until SIGINT/SIGTERM; everything received is published before returning.
+    `on_started` is called once the app has started and the socket listens.
 
     As one of several workers it shares the port (SO_REUSEPORT) and also listens on its
     Unix socket, where the other workers hand over calls for rollouts it owns.
@@ -84,7 +103,8 @@ def run_server(settings: Settings, worker: WorkerSpec | None = None) -> None:
         # uvicorn's own wait for open connections; the app drains in-flight calls too.
         timeout_graceful_shutdown=int(settings.drain_timeout_s) or None,
     )
-    GracefulServer(config, app.state.proxy, settings.drain_timeout_s).run(sockets=sockets)
+    server = GracefulServer(config, app.state.proxy, settings.drain_timeout_s, on_started)
+    server.run(sockets=sockets)
 
 
 # Pending connections per worker socket, as uvicorn's default: bursts of hundreds of

@@ -15,6 +15,7 @@ import pytest
 
 from turnstile.cli.check_template import EXIT_BAD_INPUT, EXIT_NOT_SAFE, EXIT_SAFE
 from turnstile.cli.main import main
+from turnstile.dev.llama_cpp_assets import ensure_llama_cpp_assets, read_llama_cpp_test_vectors
 from turnstile.dev.template_corpus import (
     PAIRINGS,
     PHI35,
@@ -23,10 +24,12 @@ from turnstile.dev.template_corpus import (
     audit_corpus,
     corpus_markdown,
 )
-from turnstile.dev.tinyqwen import ensure_llama_cpp_assets, read_llama_cpp_test_vectors
 from turnstile.dev.vocab import build_tokenizer_dir, ensure_vocab_tokenizer, load_tokenizer
 from turnstile.tito.templates import AuditReport, audit_template, keep_reasoning_patch
 from turnstile.tito.templates.model import JSON_SCHEMA
+
+# llama.cpp's vocabularies and templates (a 76 MB download, cached); no vLLM.
+pytestmark = pytest.mark.assets
 
 QWEN3_TEMPLATE = "Qwen-Qwen3-0.6B.jinja"
 QWEN25_TEMPLATE = "Qwen-Qwen2.5-7B-Instruct.jinja"

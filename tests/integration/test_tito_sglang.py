@@ -13,12 +13,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+import pytest
 
 from turnstile.backends.sglang import SGLangBackend
+from turnstile.dev.llama_cpp_assets import ensure_llama_cpp_assets
 from turnstile.dev.template_corpus import PAIRINGS
-from turnstile.dev.tinyqwen import ensure_llama_cpp_assets
 from turnstile.dev.vocab import ensure_vocab_tokenizer, load_tokenizer
 from turnstile.tito import build_engine
+
+# llama.cpp's vocabularies and templates (a 76 MB download, cached); no vLLM.
+pytestmark = pytest.mark.assets
 
 QWEN25 = "Qwen-Qwen2.5-7B-Instruct.jinja"
 IM_END = 151645

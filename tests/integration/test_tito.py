@@ -18,14 +18,17 @@ import pytest
 
 from tests.live import LiveServer
 from turnstile.dev.drift import TOOLS, SimulatedModel
+from turnstile.dev.llama_cpp_assets import ensure_llama_cpp_assets
 from turnstile.dev.template_corpus import PAIRINGS
-from turnstile.dev.tinyqwen import ensure_llama_cpp_assets
 from turnstile.dev.vocab import ensure_vocab_tokenizer, load_tokenizer
 from turnstile.server.app import create_app
 from turnstile.settings import SettingsError, load_settings
 from turnstile.tito import TemplateRenderer, match
 from turnstile.tito.history import TurnState, canonical, same_reply
 from turnstile.tito.parsers import parser_for_template
+
+# llama.cpp's vocabularies and templates (a 76 MB download, cached); no vLLM.
+pytestmark = pytest.mark.assets
 
 QWEN25 = "Qwen-Qwen2.5-7B-Instruct.jinja"
 QWEN3 = "Qwen-Qwen3-0.6B.jinja"

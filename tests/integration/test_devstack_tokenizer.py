@@ -14,6 +14,9 @@ from transformers import AutoTokenizer
 
 from turnstile.dev import devstack
 
+# llama.cpp's vocabularies and templates (a 76 MB download, cached); no vLLM.
+pytestmark = pytest.mark.assets
+
 TOOL_CALL, END_TOOL_CALL = 151657, 151658
 TOOL_RESPONSE, END_TOOL_RESPONSE = 151665, 151666
 IM_START, IM_END = 151644, 151645

@@ -15,6 +15,9 @@ import pytest
 from turnstile.dev.drift import TemplateDrift, corpus
 from turnstile.dev.template_corpus import PAIRINGS, audit_corpus
 
+# llama.cpp's vocabularies and templates (a 76 MB download, cached); no vLLM.
+pytestmark = pytest.mark.assets
+
 KNOWN_KINDS = {"rerender", "tokenization", "truncated", "history_rewritten"}
 
 
