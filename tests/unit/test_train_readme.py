@@ -1,4 +1,4 @@
-"""The README's trainer code sample runs as written against real shards."""
+"""The trainer guide's code sample (docs/trainer.md) runs as written against real shards."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def trainer_sample() -> str:
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    readme = (ROOT / "docs" / "trainer.md").read_text(encoding="utf-8")
     section = readme[readme.index("## Trainer") :]
     begin = section.index("```python\n") + len("```python\n")
     return section[begin : section.index("```", begin)]
@@ -31,7 +31,7 @@ def test_readme_trainer_sample_trains_on_complete_groups(
     model = TinyLM()
     before = model.head.weight.detach().clone()
     namespace = {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
-    exec(compile(trainer_sample(), "README.md", "exec"), namespace)
+    exec(compile(trainer_sample(), "docs/trainer.md", "exec"), namespace)
     assert not torch.equal(before, model.head.weight.detach())
     assert len(namespace["samples"]) == 8
     position = namespace["checkpoint"]["position"]

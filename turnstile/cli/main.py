@@ -114,7 +114,7 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--writer-id", help="unique id of this process in shard names")
     p.add_argument(
-        "--workers", type=int, help="worker processes sharing the port (default 1; see README)"
+        "--workers", type=int, help="worker processes sharing the port (default 1; see docs/deployment.md)"
     )
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.add_argument(

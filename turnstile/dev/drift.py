@@ -13,7 +13,7 @@ template's real vocabulary and renders chat prompts as vLLM does.
 `measure(template)` returns, per mode, the turns, the breaks by kind, the ground-truth
 breaks (a prompt that does not start with the previous prompt + completion), and the
 tokens where a stitched sample differs from what the backend consumed and produced (0 is
-the TITO guarantee). `python -m turnstile.dev.drift` prints the table in the README.
+the TITO guarantee). `python -m turnstile.dev.drift` prints the table in docs/tito.md.
 """
 
 from __future__ import annotations
@@ -564,7 +564,7 @@ def _renderable(convs: list[Conversation], hf: Any, template: Path) -> list[Conv
 
 
 def markdown(rows: list[TemplateDrift]) -> str:
-    """The README table: drift in record mode versus TITO mode."""
+    """The table of docs/tito.md: drift in record mode versus TITO mode."""
     lines = [
         "| template | turns | record: breaks (detected, by kind) | record drift | "
         "TITO: breaks | TITO mismatched tokens |",

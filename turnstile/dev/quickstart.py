@@ -49,6 +49,8 @@ TAIL_LINES = 60
 CLONE_TIMEOUT_S = 120.0
 
 UP_LINE = "Turnstile is up"
+# How the cache's builders report (turnstile.dev.cache.is_current and each builder's log).
+_BUILD_LINES = ("cache: ", "built the ", "extracted ", "installed ", "downloading ")
 _FENCE = re.compile(r"^```(\w*)\n(.*?)^```\s*$", re.MULTILINE | re.DOTALL)
 
 
@@ -180,7 +182,7 @@ def run(repo: Path, workdir: Path, reuse: Path | None, log: Path) -> Path:
     if status != 0:
         raise QuickstartError(f"the demo exited with {status} on SIGINT; see {log}")
     logged = log.read_text(encoding="utf-8", errors="replace").splitlines()
-    rebuilt = [line for line in logged if "cache: " in line or " built " in line]
+    rebuilt = [line for line in logged if line.startswith(_BUILD_LINES)]
     print("quickstart: what the demo built\n" + "\n".join(rebuilt), flush=True)
     print(f"quickstart: the cache after the demo\n{_listing(cache)}", flush=True)
     return cache

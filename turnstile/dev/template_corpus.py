@@ -4,7 +4,7 @@ llama.cpp vendors about 70 verbatim chat templates and a few real vocabularies
 (``turnstile.dev.llama_cpp_assets.ensure_llama_cpp_assets``). ``PAIRINGS`` maps each template that
 belongs to a family with a vendored vocabulary to a ``VocabSpec`` for that family;
 ``SKIPPED`` says why the others cannot be paired. ``audit_corpus`` audits every pairing and
-returns a table row per template; ``corpus_markdown`` formats it for the README.
+returns a table row per template; ``corpus_markdown`` formats it for docs/tito.md.
 
 Family specs: Qwen2.5/Qwen3/QwQ share the Qwen2 vocabulary (Qwen3 adds four tokens);
 Qwen3.5's real vocabulary is not vendored, llama.cpp's ``qwen35`` test vocabulary has
