@@ -19,6 +19,7 @@ from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 from langgraph.graph import START, MessagesState, StateGraph
 from langgraph.prebuilt import ToolNode, tools_condition
+from pydantic import SecretStr
 
 # Model calls plus tool steps before the graph stops the episode.
 MAX_AGENT_STEPS = 8
@@ -35,8 +36,8 @@ def build_agent(base_url: str, api_key: str) -> Any:
     llm = ChatOpenAI(
         model=MODEL,
         base_url=base_url,
-        api_key=api_key,
-        max_tokens=MAX_TOKENS,
+        api_key=SecretStr(api_key),
+        max_completion_tokens=MAX_TOKENS,
         temperature=1.0,
         max_retries=0,
     )

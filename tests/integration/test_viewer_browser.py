@@ -104,12 +104,12 @@ def _record(ts: Turnstile, http: httpx.Client) -> str:
         http.post(f"/rollouts/{rid}/finish", json={"rewards": {"correct": reward}})
     # The featured rollout: the harness rewrites the model's reply into a tool call (the
     # tiny random model never calls tools itself) and appends the tool's result.
-    rid = http.post(
+    featured: str = http.post(
         "/rollouts",
         json={"group_id": "browser", "task_id": "weather", "metadata": {"harness": "browser-test"}},
     ).json()["rollout_id"]
     messages = [{"role": "user", "content": "What is the weather in Oslo?"}]
-    chat(rid, messages, 2)
+    chat(featured, messages, 2)
     call = {
         "id": "call_1",
         "type": "function",
@@ -119,19 +119,19 @@ def _record(ts: Turnstile, http: httpx.Client) -> str:
         {"role": "assistant", "content": "", "tool_calls": [call]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
     ]
-    reply = chat(rid, messages, 2)
+    reply = chat(featured, messages, 2)
     messages += [
         {"role": "assistant", "content": reply.get("content") or ""},
         {"role": "user", "content": "Thanks!"},
     ]
-    chat(rid, messages, 2)
+    chat(featured, messages, 2)
     http.post(
-        f"/rollouts/{rid}/rewards",
+        f"/rollouts/{featured}/rewards",
         json={"rewards": {"correct": 1.0}, "info": {"correct": "mentions sunny"}},
     )
-    http.post(f"/rollouts/{rid}/finish")
+    http.post(f"/rollouts/{featured}/finish")
     assert len(published_rollouts(ts.output, "browser", 4)) == 4
-    return rid
+    return featured
 
 
 class Viewer(LiveServer):

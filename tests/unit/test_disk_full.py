@@ -7,10 +7,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
 import pytest
 from starlette.testclient import TestClient
 
-import turnstile.output.shards as shards
 from tests.fakes_backend import FakeVLLM
 from turnstile.reader import open_output
 from turnstile.server.app import create_app
@@ -33,14 +33,14 @@ def test_enospc_gives_503_and_recovers_without_loss(
     settings = load_settings(None, {"output": out, "shard_max_rows": 1}, environ={})
     app = create_app(settings, backend=FakeVLLM())
     disk_full = {"on": True}
-    real_write = shards.pq.write_table
+    real_write = pq.write_table
 
     def write_table(*args: Any, **kwargs: Any) -> None:
         if disk_full["on"]:
             raise OSError(errno.ENOSPC, "No space left on device")
         real_write(*args, **kwargs)
 
-    monkeypatch.setattr(shards.pq, "write_table", write_table)
+    monkeypatch.setattr(pq, "write_table", write_table)
     with TestClient(app) as client:
         assert client.post("/rollouts/r/v1/chat/completions", json=BODY).status_code == 200
         _wait(lambda: client.get("/health").status_code == 503)

@@ -17,7 +17,9 @@ def test_documented_schema_table_matches_the_declared_schema() -> None:
     begin = readme.index("\n", begin) + 1
     end = readme.index("<!-- schema:end -->")
     documented = readme[begin:end].strip().replace("#### `", "### `")
-    assert documented == schema_markdown().strip(), "run `turnstile schema` and update docs/schema.md"
+    assert documented == schema_markdown().strip(), (
+        "run `turnstile schema` and update docs/schema.md"
+    )
 
 
 def test_ci_runs_the_readme_test_command() -> None:

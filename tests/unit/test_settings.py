@@ -20,7 +20,7 @@ def test_flags_beat_env_beat_file(tmp_path: Path) -> None:
     assert s.port == 9003 and s.top_logprobs == 2
     assert s.backends == ("http://env:1", "http://env:2")
     with pytest.raises(Exception, match="frozen"):
-        s.port = 1  # type: ignore[misc]
+        s.port = 1
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import numpy as np
 import orjson
 
@@ -33,8 +35,8 @@ def turn(
     *,
     choice: int = 0,
     turn_id: str | None = None,
-    messages: list[dict[str, object]] | None = None,
-    reply: dict[str, object] | None = None,
+    messages: Sequence[Mapping[str, object]] | None = None,
+    reply: Mapping[str, object] | None = None,
     status: TurnStatus = TurnStatus.OK,
     source: TokenSource = TokenSource.BACKEND,
     version: int = 0,
@@ -114,7 +116,11 @@ def test_rerender_and_history_rewrite_are_told_apart() -> None:
     _, s = stitch(INFO, [t0, rerendered], CharTokenizer())
     assert s.break_kind is BreakKind.RERENDER and s.break_position == 2
 
-    rewritten = [*msgs, {"role": "assistant", "content": "EDITED"}, {"role": "user", "c": 1}]
+    rewritten: list[dict[str, object]] = [
+        *msgs,
+        {"role": "assistant", "content": "EDITED"},
+        {"role": "user", "c": 1},
+    ]
     t1 = turn(1, [113, 69], [99], messages=rewritten)
     _, s = stitch(INFO, [t0, t1], CharTokenizer())
     assert s.break_kind is BreakKind.HISTORY_REWRITTEN and s.break_position == 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -30,7 +31,10 @@ def test_readme_trainer_sample_trains_on_complete_groups(
     monkeypatch.chdir(tmp_path)
     model = TinyLM()
     before = model.head.weight.detach().clone()
-    namespace = {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
+    namespace: dict[str, Any] = {
+        "model": model,
+        "optimizer": torch.optim.SGD(model.parameters(), lr=0.1),
+    }
     exec(compile(trainer_sample(), "docs/trainer.md", "exec"), namespace)
     assert not torch.equal(before, model.head.weight.detach())
     assert len(namespace["samples"]) == 8
