@@ -108,7 +108,7 @@ def test_tokenization_drift_starts_a_new_sample() -> None:
 
 
 def test_rerender_and_history_rewrite_are_told_apart() -> None:
-    msgs = [{"role": "user", "content": "q"}]
+    msgs: list[dict[str, object]] = [{"role": "user", "content": "q"}]
     reply = {"role": "assistant", "content": "ab"}
     t0 = turn(0, [113], [97, 98], messages=msgs, reply=reply)
     same = [*msgs, reply, {"role": "user", "content": "r"}]
