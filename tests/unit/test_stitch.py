@@ -109,7 +109,7 @@ def test_tokenization_drift_starts_a_new_sample() -> None:
 
 def test_rerender_and_history_rewrite_are_told_apart() -> None:
     msgs: list[dict[str, object]] = [{"role": "user", "content": "q"}]
-    reply = {"role": "assistant", "content": "ab"}
+    reply: dict[str, object] = {"role": "assistant", "content": "ab"}
     t0 = turn(0, [113], [97, 98], messages=msgs, reply=reply)
     same = [*msgs, reply, {"role": "user", "content": "r"}]
     rerendered = turn(1, [113, 97, 120, 114], [99], messages=same)
