@@ -111,7 +111,7 @@ def test_rerender_and_history_rewrite_are_told_apart() -> None:
     msgs: list[dict[str, object]] = [{"role": "user", "content": "q"}]
     reply: dict[str, object] = {"role": "assistant", "content": "ab"}
     t0 = turn(0, [113], [97, 98], messages=msgs, reply=reply)
-    same = [*msgs, reply, {"role": "user", "content": "r"}]
+    same: list[dict[str, object]] = [*msgs, reply, {"role": "user", "content": "r"}]
     rerendered = turn(1, [113, 97, 120, 114], [99], messages=same)
     _, s = stitch(INFO, [t0, rerendered], CharTokenizer())
     assert s.break_kind is BreakKind.RERENDER and s.break_position == 2
