@@ -197,7 +197,7 @@ def test_client_that_asks_for_ids_and_logprobs_gets_vllm_shaped_chunks(tmp_path:
     assert chunks[-1]["choices"][0]["stop_reason"] == 151645
 
 
-def test_stream_without_tokenizer_or_with_tools_replays_the_whole_answer(tmp_path: Path) -> None:
+def test_stream_without_tokenizer_or_with_tools_restreams_the_whole_answer(tmp_path: Path) -> None:
     fake = FakeSGLang(chat="chat_tool_calls.json")
     app, sink = make(tmp_path, fake, Renderer())
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
@@ -269,8 +269,8 @@ def test_request_translation_and_stream_modes() -> None:
     assert gen["sampling_params"] == {"max_new_tokens": 8, "stop": ["\n"]}
     assert gen["top_logprobs_num"] == 2
     assert chat_stream_mode(body, Renderer()) == "generate"
-    assert chat_stream_mode(body, None) == "replay"
-    assert chat_stream_mode({**body, "n": 2}, Renderer()) == "replay"
+    assert chat_stream_mode(body, None) == "restream"
+    assert chat_stream_mode({**body, "n": 2}, Renderer()) == "restream"
 
 
 def test_kind_detection() -> None:

@@ -126,20 +126,23 @@ def test_backend_replay_writes_bounded_jsd_and_resumes(tmp_path: Path, backend: 
     assert (lower[("g-1", 0, "correct")] <= rel[("g-1", 0, "correct")] + 1e-9).all()
 
 
-def test_cli_replay_through_a_backend(
-    tmp_path: Path, backend: str, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize("command", ["rescore", "replay"])
+def test_cli_rescore_through_a_backend(
+    tmp_path: Path, backend: str, command: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     write_shard(tmp_path, group_records("g", [(1, 0), (0, 1)]))
     assert (
         cli_main(
-            ["replay", str(tmp_path), "--backend", backend + "/v1", "--top-k", "2", "--no-progress"]
+            [command, str(tmp_path), "--backend", backend + "/v1", "--top-k", "2", "--no-progress"]
         )
         == 0
     )
-    assert "replayed 2 responses" in capsys.readouterr().out
+    out = capsys.readouterr()
+    assert "replayed 2 responses" in out.out
+    assert ("deprecated" in out.err) == (command == "replay")
     assert FakeVLLM.top_k_seen[-1] == 2
-    assert cli_main(["replay", str(tmp_path / "missing"), "--backend", backend]) == 2
-    assert cli_main(["replay", str(tmp_path), "--backend", "http://127.0.0.1:9"]) == 1
+    assert cli_main([command, str(tmp_path / "missing"), "--backend", backend]) == 2
+    assert cli_main([command, str(tmp_path), "--backend", "http://127.0.0.1:9"]) == 1
 
 
 class TinyLM(torch.nn.Module):

@@ -13,7 +13,7 @@ server has the same ideas under other names, which this module translates:
   `meta_info.output_token_logprobs` `[logprob, token_id, text]` out) and assembled into
   vLLM-shaped `chat.completion.chunk` events. Where that is not possible (no
   `--tokenizer`, `tools` in the request that SGLang's parser must turn into tool calls,
-  `n > 1`), the call is sent whole and its answer replayed as a stream of chunks: exact
+  `n > 1`), the call is sent whole and its answer restreamed as chunks: exact
   IDs, SGLang's own tool and reasoning parsing, but no token-by-token latency.
 - completions: SGLang's `/v1/completions` returns `token_ids` and `prompt_token_ids`
   per choice for `return_token_ids`, streams included; only vLLM-only fields are dropped.
@@ -69,7 +69,7 @@ _GENERATE_SAMPLING = {
     "logit_bias": "logit_bias",
 }
 
-StreamMode = Literal["generate", "replay"]
+StreamMode = Literal["generate", "restream"]
 
 
 class PromptRenderer(Protocol):
@@ -83,7 +83,7 @@ class PromptRenderer(Protocol):
 def chat_stream_mode(body: Mapping[str, Any], renderer: PromptRenderer | None) -> StreamMode:
     """How a streamed chat call reaches SGLang (see the module docstring)."""
     if renderer is None or body.get("tools") or int(body.get("n") or 1) != 1:
-        return "replay"
+        return "restream"
     return "generate"
 
 
@@ -267,7 +267,7 @@ class GenerateStreamAssembler:
         return encode_data(orjson.dumps(obj))
 
 
-def replay_chunks(whole: Mapping[str, Any], *, include_usage: bool) -> list[bytes]:
+def restream_chunks(whole: Mapping[str, Any], *, include_usage: bool) -> list[bytes]:
     """A whole SGLang chat response as the vLLM-shaped chunks of a stream (no [DONE])."""
     choices = whole.get("choices")
     if not isinstance(choices, list):
@@ -380,7 +380,7 @@ async def _generate_chunks(
         resp.close()
 
 
-async def _replayed(chunks: list[bytes]) -> AsyncIterator[bytes]:
+async def _restreamed(chunks: list[bytes]) -> AsyncIterator[bytes]:
     for chunk in chunks:
         yield chunk
     yield encode_data(DONE)
@@ -452,8 +452,8 @@ class SGLangBackend:
         if not isinstance(obj, dict):
             resp.close()
             raise BackendError("SGLang's chat response is not a JSON object")
-        chunks = replay_chunks(obj, include_usage=include_usage)
-        return _MadeResponse(resp.status, _SSE, _replayed(chunks), resp)
+        chunks = restream_chunks(obj, include_usage=include_usage)
+        return _MadeResponse(resp.status, _SSE, _restreamed(chunks), resp)
 
     async def aclose(self) -> None:
         await self.inner.aclose()

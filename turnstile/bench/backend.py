@@ -8,8 +8,9 @@ finish reason, then `data: [DONE]`, in chunked transfer encoding. Tokens are sen
 to back (each event its own write, the event loop free between them) or paced at
 `--tokens-per-s`. Fields the request did not ask for are `null`, as in vLLM.
 
-Responses are built once per request shape and cached as bytes, so the backend costs
-a few microseconds per request and never limits what is measured through it. It is a
+The answers are built with the in-process fake's builders (`turnstile.backends.fake`),
+once per request shape, and cached as bytes, so the backend costs a few microseconds
+per request and never limits what is measured through it. It is a
 plain asyncio Protocol speaking HTTP/1.1 with keep-alive, on loopback only.
 
     python -m turnstile.bench.backend --port 8001 --prompt-tokens 2000 \\
@@ -28,6 +29,19 @@ from typing import Any, Final
 
 import orjson
 
+from turnstile.backends.fake import (
+    SSE_DONE,
+    chat_choice,
+    chat_completion,
+    chat_message,
+    chat_role_chunk,
+    chat_token_chunk,
+    logprob_entry,
+    model_list,
+    sse_event,
+    usage,
+)
+
 # Request heads larger than this are not a benchmark client: drop the connection.
 MAX_HEAD_BYTES: Final[int] = 64 * 1024
 # Request bodies larger than this likewise (the bench sends a few hundred bytes).
@@ -35,6 +49,11 @@ MAX_BODY_BYTES: Final[int] = 8 * 1024 * 1024
 # Token ids are drawn below Qwen3's vocabulary size, as a real model's would be.
 VOCAB_SIZE: Final[int] = 151_000
 LOOPBACK: Final[frozenset[str]] = frozenset({"127.0.0.1", "::1", "localhost"})
+MODEL: Final[str] = "bench-model"
+COMPLETION_ID: Final[str] = "chatcmpl-bench"
+SYSTEM_FINGERPRINT: Final[str] = "vllm-0.32.0-bench"
+# Every completion runs to its token budget.
+FINISH_REASON: Final[str] = "length"
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,95 +87,50 @@ class Corpus:
     def _entry(self, shape: Shape, i: int) -> dict[str, Any]:
         name = f"token_id:{self.ids[i]}" if shape.tokens_as_ids else self.pieces[i]
         tops = [
-            {
-                "token": name if j == 0 else f"token_id:{(self.ids[i] + j) % VOCAB_SIZE}",
-                "logprob": self.logprobs[i] - j,
-                "bytes": None,
-            }
+            (name if j == 0 else f"token_id:{(self.ids[i] + j) % VOCAB_SIZE}", self.logprobs[i] - j)
             for j in range(shape.top_logprobs)
         ]
-        return {"token": name, "logprob": self.logprobs[i], "bytes": None, "top_logprobs": tops}
+        return logprob_entry(name, self.logprobs[i], tops)
 
     def _whole(self, shape: Shape) -> bytes:
-        body = {
-            "id": "chatcmpl-bench",
-            "object": "chat.completion",
-            "created": 1,
-            "model": "bench-model",
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {
-                        "role": "assistant",
-                        "content": "".join(self.pieces),
-                        "refusal": None,
-                        "annotations": None,
-                        "audio": None,
-                        "function_call": None,
-                        "tool_calls": [],
-                        "reasoning": None,
-                    },
-                    "logprobs": (
-                        {"content": [self._entry(shape, i) for i in range(len(self.ids))]}
-                        if shape.logprobs
-                        else None
-                    ),
-                    "finish_reason": "length",
-                    "stop_reason": None,
-                    "token_ids": self.ids if shape.token_ids else None,
-                }
-            ],
-            "service_tier": None,
-            "system_fingerprint": "vllm-0.32.0-bench",
-            "usage": {
-                "prompt_tokens": len(self.prompt_ids),
-                "total_tokens": len(self.prompt_ids) + len(self.ids),
-                "completion_tokens": len(self.ids),
-                "prompt_tokens_details": None,
-            },
-            "prompt_logprobs": None,
-            "prompt_token_ids": self.prompt_ids if shape.token_ids else None,
-            "kv_transfer_params": None,
-        }
+        entries = [self._entry(shape, i) for i in range(len(self.ids))] if shape.logprobs else None
+        choice = chat_choice(
+            0,
+            chat_message("".join(self.pieces)),
+            entries,
+            FINISH_REASON,
+            self.ids if shape.token_ids else None,
+        )
+        body = chat_completion(
+            COMPLETION_ID,
+            MODEL,
+            [choice],
+            usage(len(self.prompt_ids), len(self.ids)),
+            self.prompt_ids if shape.token_ids else None,
+            SYSTEM_FINGERPRINT,
+        )
         data = orjson.dumps(body)
         return _head(200, "application/json", len(data)) + data
 
     def _events(self, shape: Shape) -> list[bytes]:
-        head = {
-            "id": "chatcmpl-bench",
-            "object": "chat.completion.chunk",
-            "created": 1,
-            "model": "bench-model",
-        }
-        events = [
-            dict(
-                head,
-                choices=[
-                    {
-                        "index": 0,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                ],
-                prompt_token_ids=self.prompt_ids if shape.token_ids else None,
-            )
-        ]
+        prompt_ids = self.prompt_ids if shape.token_ids else None
+        events = [chat_role_chunk(COMPLETION_ID, MODEL, 1, prompt_ids)]
         last = len(self.ids) - 1
         for i, token in enumerate(self.ids):
-            choice: dict[str, Any] = {
-                "index": 0,
-                "delta": {"content": self.pieces[i]},
-                "logprobs": {"content": [self._entry(shape, i)]} if shape.logprobs else None,
-                "finish_reason": "length" if i == last else None,
-                "token_ids": [token] if shape.token_ids else None,
-            }
-            if i == last:
-                choice["stop_reason"] = None
-            events.append(dict(head, choices=[choice]))
+            events.append(
+                chat_token_chunk(
+                    COMPLETION_ID,
+                    MODEL,
+                    0,
+                    self.pieces[i],
+                    self._entry(shape, i) if shape.logprobs else None,
+                    token if shape.token_ids else None,
+                    FINISH_REASON if i == last else None,
+                )
+            )
         out = [_head_chunked(200, "text/event-stream; charset=utf-8")]
-        out += [_chunk(b"data: " + orjson.dumps(e) + b"\n\n") for e in events]
-        out.append(_chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        out += [_chunk(sse_event(e)) for e in events]
+        out.append(_chunk(SSE_DONE) + b"0\r\n\r\n")
         return out
 
 
@@ -253,10 +227,7 @@ class BackendProtocol(asyncio.Protocol):
     def _answer(self, method: str, path: str, body: bytes) -> None:
         assert self.transport is not None
         if method == "GET" and path in ("/health", "/v1/models"):
-            models = {
-                "object": "list",
-                "data": [{"id": "bench-model", "object": "model", "root": "bench-model"}],
-            }
+            models = model_list(MODEL, MODEL)
             self.transport.write(_json_answer(200, models if path == "/v1/models" else {}))
             return
         if method != "POST" or path != "/v1/chat/completions":

@@ -13,7 +13,26 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["EXIT_BAD_INPUT", "EXIT_NOT_SAFE", "EXIT_SAFE", "add_arguments", "run"]
+__all__ = [
+    "DESCRIPTION",
+    "EXIT_BAD_INPUT",
+    "EXIT_NOT_SAFE",
+    "EXIT_SAFE",
+    "HELP",
+    "NAME",
+    "add_arguments",
+    "run",
+]
+
+NAME = "check-template"
+HELP = "audit a chat template for token-in-token-out stitching"
+DESCRIPTION = (
+    "Render a battery of conversations with a tokenizer's chat template (or "
+    "--template) and check, per message kind, that each rendering extends the previous "
+    "one in text and tokens where TITO joins prompt, completion and new messages, and "
+    "that assistant turns end with a stop token. Exits 0 if TITO-safe, 1 if not, 2 for "
+    "bad input."
+)
 
 EXIT_SAFE = 0
 EXIT_NOT_SAFE = 1

@@ -27,6 +27,15 @@ from rich.text import Text
 
 from turnstile.view.data import OutputData, TokenText, resolve_tokenizer
 
+NAME = "inspect"
+HELP = "summarise an output directory in the terminal"
+DESCRIPTION = (
+    "Summarise the published shards of an output directory: rollouts, "
+    "samples, turns, tokens, rewards per name, policy versions, stitching breaks by "
+    "kind, error and aborted turns and the slowest turns. --rollout ID prints one "
+    "rollout's turns with tokens decoded and the loss mask shown."
+)
+
 # Rows of the "error and aborted" and "slowest" tables: enough to spot a pattern,
 # short enough to fit a screen.
 DEFAULT_TOP: Final[int] = 10

@@ -1,16 +1,32 @@
-"""``turnstile replay DIR``: score recorded responses for MRTPO (see ``rescore``)."""
+"""``turnstile rescore DIR``: score recorded responses for MRTPO (see ``turnstile.train.rescore``).
+
+``turnstile replay`` is the command's former name, still accepted (hidden, deprecated).
+"""
 
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from pathlib import Path
 
 from turnstile.train import rescore
 
-log = logging.getLogger("turnstile.replay")
+NAME = "rescore"
+HELP = "score recorded responses with and without verifier info (MRTPO)"
+DESCRIPTION = (
+    "For every sample with a reward that has verifier information, score "
+    "the response with and without that information in the context, through a vLLM "
+    "backend's prompt_logprobs (top-k plus a leftover bucket, with the JSD's error "
+    "bound) or exactly from a local model's full logits, and write the per-token JSD "
+    "to DIR/replays/."
+)
+# Former names of the command: still parsed, not listed, and each run says so.
+DEPRECATED_ALIASES = ("replay",)
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -58,8 +74,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if not args.directory.is_dir():
-        print(f"turnstile replay: {args.directory} is not a directory", file=sys.stderr)
-        return 2
+        print(f"turnstile rescore: {args.directory} is not a directory", file=sys.stderr)
+        return EXIT_BAD_INPUT
     try:
         if args.backend:
             key = os.environ.get(args.backend_api_key_env) if args.backend_api_key_env else None
@@ -79,10 +95,11 @@ def run(args: argparse.Namespace) -> int:
                 from turnstile.train import rescore_torch
             except ImportError as e:
                 print(
-                    f"turnstile replay --model needs PyTorch (pip install 'turnstile[train]'): {e}",
+                    "turnstile rescore --model needs PyTorch "
+                    f"(pip install 'turnstile[train]'): {e}",
                     file=sys.stderr,
                 )
-                return 2
+                return EXIT_BAD_INPUT
             model, tokenize = rescore_torch.load_hf_model(args.model)
             written = rescore_torch.replay_model(
                 args.directory,
@@ -94,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
                 progress=not args.no_progress,
             )
     except rescore.ReplayError as e:
-        print(f"turnstile replay: {e}", file=sys.stderr)
-        return 1
+        print(f"turnstile rescore: {e}", file=sys.stderr)
+        return EXIT_FAILED
     print(f"replayed {written} responses into {args.directory / rescore.REPLAYS_TABLE}")
-    return 0
+    return EXIT_OK

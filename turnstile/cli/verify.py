@@ -1,29 +1,35 @@
-"""`turnstile verify` and `turnstile recover`: check an output directory, repair it offline.
+"""`turnstile verify DIR`: check every shard of an output directory, and the journal.
 
-verify: every published shard opens, has the declared schema of its table and the
-current schema version, and reads in full; no journaled turn is missing from the
-shards. recover: replays the journal into the shards without serving (what
-`turnstile serve` does at start-up), sealing rollouts left open as `interrupted`.
+Every published shard opens, has the declared schema of its table and the current
+schema version, and reads in full; no journaled turn is missing from the shards.
+Exits 1 on any problem.
 """
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Mapping
+import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow.parquet as pq
-from fastapi import FastAPI
 
-from turnstile.errors import BackendUnreachable
 from turnstile.journal.codec import CodecError, EventKind, decode_turn
 from turnstile.journal.recovery import JOURNAL_DIR, published_keys
 from turnstile.journal.wal import read_journal
 from turnstile.output.schema import SCHEMAS, TABLES
 from turnstile.reader import ShardFormatError, check_shard
 from turnstile.server.workers import WorkerSpec
-from turnstile.settings import Settings
+
+NAME = "verify"
+HELP = "check every shard of an output directory against the schema"
+DESCRIPTION = (
+    "Check that every published shard opens, matches its table's schema and "
+    "version and reads in full, and that no journaled turn is missing from the shards. "
+    "Exits 1 on any problem."
+)
+
+EXIT_OK = 0
+EXIT_PROBLEMS = 1
 
 
 @dataclass(slots=True)
@@ -78,20 +84,6 @@ def verify(output: Path) -> VerifyReport:
     return report
 
 
-class _NoBackend:
-    """Recovery talks to no backend."""
-
-    base_url = "none"
-
-    async def request(
-        self, method: str, path: str, body: bytes | None, headers: Mapping[str, str]
-    ) -> None:
-        raise BackendUnreachable("no backend during offline recovery")
-
-    async def aclose(self) -> None:
-        return None
-
-
 def journal_dirs(output: Path) -> list[tuple[WorkerSpec | None, Path]]:
     """The journal of a single-process run, and those of `--workers` runs (`w<i>`)."""
     root = output / JOURNAL_DIR
@@ -106,17 +98,19 @@ def journal_dirs(output: Path) -> list[tuple[WorkerSpec | None, Path]]:
     return found
 
 
-def recover_offline(settings: Settings) -> None:
-    """Publish everything the journals hold, as a start-up and a clean shutdown would."""
-    from turnstile.server.app import create_app
-
-    for worker, _ in journal_dirs(settings.output) or [(None, settings.output)]:
-        # Offline there are no peers: each worker's journal is replayed on its own.
-        solo = None if worker is None else WorkerSpec(worker.index, 1, worker.rundir)
-        app = create_app(settings, backend=_NoBackend(), worker=solo)  # type: ignore[arg-type]
-        asyncio.run(_start_and_stop(app))
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("directory", type=Path)
 
 
-async def _start_and_stop(app: FastAPI) -> None:
-    async with app.router.lifespan_context(app):
-        pass
+def run(args: argparse.Namespace) -> int:
+    report = verify(args.directory)
+    for table in report.shards:
+        print(f"{table}: {report.shards[table]} shards, {report.rows[table]} rows")
+    print(
+        f"journal: {report.journal_frames} frames, {report.unpublished_turns} turns "
+        "not yet in shards"
+    )
+    for problem in report.problems:
+        print(f"PROBLEM: {problem}")
+    print("ok" if report.ok else f"{len(report.problems)} problems")
+    return EXIT_OK if report.ok else EXIT_PROBLEMS

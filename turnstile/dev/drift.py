@@ -8,7 +8,8 @@ trained on the template would write for each assistant turn (the template's own 
 of the turn), perturbed the way real sampling differs from a re-render: argument JSON
 spaced differently, unicode escaped, trailing whitespace, and a word split into
 non-canonical tokens. It speaks vLLM's chat and token-ID completions protocols with the
-template's real vocabulary and renders chat prompts as vLLM does.
+template's real vocabulary and renders chat prompts as vLLM does; its answers are built
+with `turnstile.backends.fake`'s builders of vLLM's objects.
 
 `measure(template)` returns, per mode, the turns, the breaks by kind, the ground-truth
 breaks (a prompt that does not start with the previous prompt + completion), and the
@@ -23,7 +24,7 @@ import asyncio
 import itertools
 import json
 import tempfile
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,18 @@ from typing import Any
 import numpy as np
 import orjson
 
+from turnstile.backends.fake import (
+    JSON_HEADERS,
+    SSE_DONE,
+    FakeResponse,
+    completion_choice,
+    completion_chunk,
+    completion_logprobs,
+    model_list,
+    sse_event,
+    text_completion,
+    usage,
+)
 from turnstile.proxy.capture import CHAT
 from turnstile.proxy.core import Relay
 from turnstile.tito.convert import ChatAnswer, ChatStream
@@ -69,6 +82,9 @@ TOOLS: list[dict[str, Any]] = [
         },
     },
 ]
+# The simulated model's name in `/v1/models`, and the id of its answers.
+MODEL = "simulated"
+COMPLETION_ID = "cmpl-sim"
 LONG_OUTPUT = "\n".join(f"line {i}: {'x' * (i % 13)} résultat {i * 1.5}" for i in range(60))
 
 
@@ -209,23 +225,6 @@ def _split_token(renderer: TemplateRenderer, ids: list[int]) -> list[int]:
     return ids
 
 
-@dataclass
-class _Response:
-    status: int
-    headers: Mapping[str, str]
-    chunks: list[bytes]
-
-    async def read(self) -> bytes:
-        return b"".join(self.chunks)
-
-    async def iter_chunks(self) -> AsyncIterator[bytes]:
-        for chunk in self.chunks:
-            yield chunk
-
-    def close(self) -> None:
-        return None
-
-
 def _logprob(i: int) -> float:
     return -0.25 - 0.01 * (i % 9)
 
@@ -268,37 +267,21 @@ class SimulatedModel:
         ids = list(self.plan)
         stop = ids[-1] in self.renderer.stops
         text = self.renderer.tokenizer.decode(ids[:-1] if stop else ids, skip_special_tokens=True)
-        return {
-            "id": "cmpl-sim",
-            "object": "text_completion",
-            "created": 1,
-            "model": model,
-            "choices": [
-                {
-                    "index": 0,
-                    "text": text,
-                    "token_ids": ids,
-                    "prompt_token_ids": prompt,
-                    "finish_reason": "stop" if stop else "length",
-                    "stop_reason": None,
-                    "logprobs": {
-                        "tokens": [f"token_id:{t}" for t in ids],
-                        "token_logprobs": [_logprob(i) for i in range(len(ids))],
-                        "top_logprobs": [{f"token_id:{t}": _logprob(i)} for i, t in enumerate(ids)],
-                        "text_offset": [0] * len(ids),
-                    },
-                }
-            ],
-            "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids)},
-        }
+        logprobs = completion_logprobs(
+            [f"token_id:{t}" for t in ids],
+            [_logprob(i) for i in range(len(ids))],
+            [{f"token_id:{t}": _logprob(i)} for i, t in enumerate(ids)],
+            [0] * len(ids),
+        )
+        choice = completion_choice(0, text, logprobs, "stop" if stop else "length", ids, prompt)
+        return text_completion(COMPLETION_ID, model, [choice], usage(len(prompt), len(ids)))
 
     async def request(
         self, method: str, path: str, body: bytes | None, headers: Mapping[str, str]
-    ) -> _Response:
+    ) -> FakeResponse:
         req = orjson.loads(body or b"{}")
-        json_type = {"Content-Type": "application/json"}
         if path == "/v1/models":
-            return _Response(200, json_type, [b'{"data": [{"id": "simulated"}]}'])
+            return FakeResponse(200, JSON_HEADERS, [orjson.dumps(model_list(MODEL, MODEL))])
         if path == "/v1/completions":
             prompt = [int(t) for t in req["prompt"]]
             out = self._completion(prompt, str(req.get("model")))
@@ -309,12 +292,12 @@ class SimulatedModel:
             completion = self._completion(prompt, str(req.get("model")))
             out, _ = ChatAnswer(self._chat_parser(req), 0).convert(completion)
         else:
-            return _Response(404, json_type, [b'{"error": {"message": "not found"}}'])
+            return FakeResponse(404, JSON_HEADERS, [b'{"error": {"message": "not found"}}'])
         self.prompts.append(prompt)
         if req.get("stream") is True:
             events = self._stream(prompt, str(req.get("model")), path, req)
-            return _Response(200, {"Content-Type": "text/event-stream"}, events)
-        return _Response(200, json_type, [orjson.dumps(out)])
+            return FakeResponse(200, {"Content-Type": "text/event-stream"}, events)
+        return FakeResponse(200, JSON_HEADERS, [orjson.dumps(out)])
 
     def _stream(self, prompt: list[int], model: str, path: str, req: dict[str, Any]) -> list[bytes]:
         """One completions chunk per token (text decoded incrementally, as vLLM does);
@@ -329,34 +312,20 @@ class SimulatedModel:
             piece = "" if text.endswith("\ufffd") else text[len(emitted) :]
             emitted += piece
             last = i == len(ids) - 1
-            chunks.append(
-                {
-                    "id": "cmpl-sim",
-                    "object": "text_completion",
-                    "created": 1,
-                    "model": model,
-                    "choices": [
-                        {
-                            "index": 0,
-                            "text": piece,
-                            "token_ids": [token],
-                            "prompt_token_ids": prompt if i == 0 else None,
-                            "finish_reason": whole["finish_reason"] if last else None,
-                            "stop_reason": None,
-                            "logprobs": {
-                                "tokens": [f"token_id:{token}"],
-                                "token_logprobs": [_logprob(i)],
-                                "top_logprobs": [{f"token_id:{token}": _logprob(i)}],
-                                "text_offset": [0],
-                            },
-                        }
-                    ],
-                }
+            logprobs = completion_logprobs(
+                [f"token_id:{token}"],
+                [_logprob(i)],
+                [{f"token_id:{token}": _logprob(i)}],
+                [0],
             )
+            finish = whole["finish_reason"] if last else None
+            first_prompt = prompt if i == 0 else None
+            choice = completion_choice(0, piece, logprobs, finish, [token], first_prompt)
+            chunks.append(completion_chunk(COMPLETION_ID, model, choice))
         if path == "/v1/chat/completions":
             stream = ChatStream(self._chat_parser(req), 0)
             chunks = [c for chunk in chunks for c in stream.convert(chunk)]
-        return [b"data: " + orjson.dumps(c) + b"\n\n" for c in chunks] + [b"data: [DONE]\n\n"]
+        return [*(sse_event(c) for c in chunks), SSE_DONE]
 
     def _chat_parser(self, req: dict[str, Any]) -> Any:
         if req.get("tools"):

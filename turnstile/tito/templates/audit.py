@@ -31,6 +31,7 @@ from turnstile.tito.templates.battery import (
     Message,
     battery,
 )
+from turnstile.tito.templates.fixes import known_fixes
 from turnstile.tito.templates.model import (
     LEVEL_CONTENT,
     LEVEL_TEXT,
@@ -455,7 +456,16 @@ def audit_template(
         conversations=outcomes,
     )
     if suggest_fixes and not report.tito_safe:
-        from turnstile.tito.templates.fixes import known_fixes
 
-        report.fixes = known_fixes(hf, template, report, stop_token_ids)
+        def reaudit(text: str, flag: dict[str, Any]) -> AuditReport:
+            return audit_template(
+                hf,
+                text,
+                chat_template_kwargs={**kwargs, **flag},
+                stop_token_ids=stop_token_ids,
+                vllm_messages=vllm_messages,
+                suggest_fixes=False,
+            )
+
+        report.fixes = known_fixes(template, report, reaudit)
     return report

@@ -10,17 +10,25 @@ template re-audited, so the report says whether it actually makes the template p
   (``ns.last_query_index``). ``keep_reasoning_patch`` rewrites that condition the way Qwen3.6's
   template does.
 * Tool-call arguments re-serialised, non-ASCII escaped, end-of-turn not a stop token: described.
+
+The re-audit is the caller's (``Reaudit``): ``turnstile.tito.templates.audit`` passes one that
+audits with the same tokenizer, stop tokens and message handling, so this module depends on
+the report model only.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable
 from typing import Any
 
 from turnstile.tito.templates.model import AuditReport, Fix
 
-__all__ = ["KEEP_REASONING_FLAGS", "keep_reasoning_patch", "known_fixes"]
+__all__ = ["KEEP_REASONING_FLAGS", "Reaudit", "keep_reasoning_patch", "known_fixes"]
+
+# Audits ``template`` with these template variables added to the failing report's (and no
+# fixes looked up): how a remedy is verified.
+Reaudit = Callable[[str, dict[str, Any]], AuditReport]
 
 # Template variables that keep earlier turns' reasoning, and the value that keeps it.
 KEEP_REASONING_FLAGS: dict[str, bool] = {
@@ -66,35 +74,15 @@ def _reasoning_broken(report: AuditReport) -> bool:
     return False
 
 
-def _reaudit(
-    tokenizer: Any,
-    template: str,
-    report: AuditReport,
-    flag: dict[str, Any],
-    stop_token_ids: Sequence[int],
-) -> AuditReport:
-    from turnstile.tito.templates.audit import audit_template
-
-    return audit_template(
-        tokenizer,
-        template,
-        chat_template_kwargs={**report.chat_template_kwargs, **flag},
-        stop_token_ids=stop_token_ids,
-        vllm_messages=report.vllm_messages,
-        suggest_fixes=False,
-    )
-
-
 def _outcome(after: AuditReport) -> str:
     if after.tito_safe:
         return "re-audited with it: TITO-safe."
     return "re-audited with it: still failing (" + ", ".join(after.failing_kinds()) + ")."
 
 
-def known_fixes(
-    tokenizer: Any, template: str, report: AuditReport, stop_token_ids: Sequence[int] = ()
-) -> list[Fix]:
-    """The remedies that apply to a failing ``report`` of ``template``."""
+def known_fixes(template: str, report: AuditReport, reaudit: Reaudit) -> list[Fix]:
+    """The remedies that apply to a failing ``report`` of ``template``, those that are
+    template flags or rewrites verified with ``reaudit``."""
     fixes: list[Fix] = []
     if _reasoning_broken(report):
         flagged = False
@@ -103,7 +91,7 @@ def known_fixes(
                 continue
             flagged = True
             flag = {name: value}
-            after = _reaudit(tokenizer, template, report, flag, stop_token_ids)
+            after = reaudit(template, flag)
             fixes.append(
                 Fix(
                     f"the template keeps earlier turns' reasoning when {name}={value!r}: pass "
@@ -116,7 +104,7 @@ def known_fixes(
         patched = None if flagged else keep_reasoning_patch(template)
         if patched is not None:
             flag = {"preserve_thinking": True}
-            after = _reaudit(tokenizer, patched, report, flag, stop_token_ids)
+            after = reaudit(patched, flag)
             fixes.append(
                 Fix(
                     "the template renders <think> blocks only for assistant turns after the "
