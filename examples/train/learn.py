@@ -13,7 +13,7 @@ The whole loop runs on CPUs in a few minutes:
    ids);
 4. the trainer follows the published shards (``ShardFollower`` with a staleness filter,
    ``iter_group_batches`` for complete groups), computes the advantages (GRPO, GDPO, or
-   MRTPO with the relevance from ``turnstile replay``'s backend path), and takes one step of
+   MRTPO with the relevance from ``turnstile rescore``'s backend path), and takes one step of
    the Proximal KL loss (token TIS against the recorded behaviour logprobs, beta 0);
 5. the new weights are written to the model directory and vLLM reloads them.
 
@@ -332,7 +332,7 @@ def _advantages(
     elif estimator == "gdpo":
         batches.assign_gdpo(samples, names)
     else:
-        rescore.replay_backend(
+        rescore.rescore_backend(
             proxy.output, backend, samples=samples, top_k=cfg.top_k, progress=False
         )
         relevance = rescore.relevance_for(samples, rescore.read_relevance(proxy.output))

@@ -94,9 +94,9 @@ def test_jobs_insert_the_info_before_the_response(tmp_path: Path) -> None:
     assert rescore.render_info("a", "b") == rescore.DEFAULT_INFO_TEMPLATE.format(name="a", info="b")
 
 
-def test_backend_replay_writes_bounded_jsd_and_resumes(tmp_path: Path, backend: str) -> None:
+def test_backend_rescore_writes_bounded_jsd_and_resumes(tmp_path: Path, backend: str) -> None:
     write_shard(tmp_path, group_records("g", [(1, 0), (0, 1), (1, 1)], lengths=[3, 4, 2]))
-    written = rescore.replay_backend(tmp_path, backend, top_k=3, progress=False)
+    written = rescore.rescore_backend(tmp_path, backend, top_k=3, progress=False)
     assert written == 3
     table = rescore.read_replays(tmp_path)
     assert table.schema.equals(rescore.REPLAYS_SCHEMA, check_metadata=False)
@@ -116,8 +116,8 @@ def test_backend_replay_writes_bounded_jsd_and_resumes(tmp_path: Path, backend: 
             assert row["logprobs_base"][i] == pytest.approx(
                 math.log(distribution(base, t)[base[t]]), abs=1e-5
             )
-    # already replayed: nothing new
-    assert rescore.replay_backend(tmp_path, backend, top_k=3, progress=False) == 0
+    # already re-scored: nothing new
+    assert rescore.rescore_backend(tmp_path, backend, top_k=3, progress=False) == 0
     rel = rescore.read_relevance(tmp_path)
     assert set(rel) == {("g-0", 0, "correct"), ("g-1", 0, "correct"), ("g-2", 0, "correct")}
     laid = rescore.relevance_for(list(samples.values()), rel)
@@ -138,7 +138,7 @@ def test_cli_rescore_through_a_backend(
         == 0
     )
     out = capsys.readouterr()
-    assert "replayed 2 responses" in out.out
+    assert "rescored 2 responses" in out.out
     assert ("deprecated" in out.err) == (command == "replay")
     assert FakeVLLM.top_k_seen[-1] == 2
     assert cli_main([command, str(tmp_path / "missing"), "--backend", backend]) == 2
@@ -160,10 +160,10 @@ class TinyLM(torch.nn.Module):
         return out
 
 
-def test_exact_replay_from_full_logits(tmp_path: Path) -> None:
+def test_exact_rescore_from_full_logits(tmp_path: Path) -> None:
     write_shard(tmp_path, group_records("g", [(1, 0), (0, 1)], lengths=[3, 2]))
     model = TinyLM()
-    assert rescore_torch.replay_model(tmp_path, model, lambda t: [150, 151], progress=False) == 2
+    assert rescore_torch.rescore_model(tmp_path, model, lambda t: [150, 151], progress=False) == 2
     rows = rescore.read_replays(tmp_path, rescore.METHOD_LOGITS).to_pylist()
     sample = next(iter(ShardFollower(tmp_path)))
     row = next(r for r in rows if r["rollout_id"] == sample.rollout_id)
@@ -176,7 +176,7 @@ def test_exact_replay_from_full_logits(tmp_path: Path) -> None:
         assert row["jsd"][i] == pytest.approx(float(expected), abs=1e-5)
         assert row["jsd_upper"][i] == row["jsd"][i]
         assert row["tail_base"][i] == 0.0
-    assert rescore_torch.replay_model(tmp_path, model, lambda t: [150], progress=False) == 0
+    assert rescore_torch.rescore_model(tmp_path, model, lambda t: [150], progress=False) == 0
 
 
 def test_token_logprobs_align_with_input_ids() -> None:

@@ -1,6 +1,6 @@
 """`turnstile recover DIR`: publish what a crashed run journaled, without serving.
 
-The journal of an output directory (and those of a `--workers` run) is replayed into
+The journal of an output directory (and those of a `--workers` run) is rebuilt into
 its shards as `turnstile serve` does at start-up, and rollouts left open are sealed as
 `interrupted`, as a clean shutdown would.
 """
@@ -49,7 +49,7 @@ def publish_offline(settings: Settings) -> None:
     from turnstile.server.app import create_app
 
     for worker, _ in journal_dirs(settings.output) or [(None, settings.output)]:
-        # Offline there are no peers: each worker's journal is replayed on its own.
+        # Offline there are no peers: each worker's journal is rebuilt on its own.
         solo = None if worker is None else WorkerSpec(worker.index, 1, worker.rundir)
         app = create_app(settings, backend=_NoBackend(), worker=solo)
         asyncio.run(_start_and_stop(app))

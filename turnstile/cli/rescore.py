@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.backend:
             key = os.environ.get(args.backend_api_key_env) if args.backend_api_key_env else None
-            written = rescore.replay_backend(
+            written = rescore.rescore_backend(
                 args.directory,
                 args.backend,
                 model=args.served_model,
@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
                 )
                 return EXIT_BAD_INPUT
             model, tokenize = rescore_torch.load_hf_model(args.model)
-            written = rescore_torch.replay_model(
+            written = rescore_torch.rescore_model(
                 args.directory,
                 model,
                 tokenize,
@@ -110,8 +110,8 @@ def run(args: argparse.Namespace) -> int:
                 model_name=str(args.model),
                 progress=not args.no_progress,
             )
-    except rescore.ReplayError as e:
+    except rescore.RescoreError as e:
         print(f"turnstile rescore: {e}", file=sys.stderr)
         return EXIT_FAILED
-    print(f"replayed {written} responses into {args.directory / rescore.REPLAYS_TABLE}")
+    print(f"rescored {written} responses into {args.directory / rescore.REPLAYS_TABLE}")
     return EXIT_OK

@@ -3,10 +3,10 @@
 Numpy only: ``batches`` (padded and packed batches, advantages assigned to samples),
 ``dataset`` (follow published shards, resumable, filters, complete GRPO groups),
 ``advantages`` (GRPO, GDPO, MRTPO), ``corrections`` (TIS, IcePop, MIS, veto, KL
-estimators; also on torch tensors), ``jsd`` and ``rescore`` (replay for MRTPO through a
+estimators; also on torch tensors), ``jsd`` and ``rescore`` (re-scoring for MRTPO through a
 vLLM backend's prompt_logprobs). With the ``train`` extra (PyTorch): ``losses`` (PPO/GRPO
 clip and Proximal KL), ``policy`` (token log-probabilities of a causal LM), ``torchdata``
-(``ShardIterableDataset``) and ``rescore_torch`` (exact replay from full logits).
+(``ShardIterableDataset``) and ``rescore_torch`` (exact re-scoring from full logits).
 
 MRTPO and Proximal KL are implemented from the reading of their published abstracts given
 in Turnstile's method notes; their modules say so.

@@ -1,4 +1,4 @@
-"""Replay recorded responses for MRTPO: per-token relevance of each reward's verifier info.
+"""Re-score recorded responses for MRTPO: per-token relevance of each reward's verifier info.
 
 For every sample with a reward that carries verifier information (the ``info`` of a
 ``rewards`` entry: an execution result, a constraint verdict, a parse error), the policy
@@ -10,15 +10,15 @@ Turnstile's method notes.
 
 Two paths write the same ``replays/`` table into the output directory:
 
-* ``replay_backend`` (``turnstile replay DIR --backend URL``): a vLLM server's
+* ``rescore_backend`` (``turnstile rescore DIR --backend URL``): a vLLM server's
   ``/v1/completions`` with token-ID prompts, ``max_tokens=1`` and ``prompt_logprobs=k``.
   Only the top-k (plus the scored token) of each distribution are known; the rest is one
   leftover bucket, so ``jsd`` is a lower bound and ``jsd_upper`` the bound
   ``jsd + 0.5 * (tail_base + tail_info) * ln 2``. Prompt logprobs are at temperature 1.
-* ``turnstile.train.rescore_torch.replay_model`` (``--model DIR``): full logits of a
+* ``turnstile.train.rescore_torch.rescore_model`` (``--model DIR``): full logits of a
   PyTorch causal LM, exact (``jsd_upper == jsd``, tails 0).
 
-Samples already replayed (same sample, reward and method) are skipped, so a run can be
+Samples already re-scored (same sample, reward and method) are skipped, so a run can be
 resumed. Numpy, pyarrow and the standard library (plus rich for the progress bar).
 """
 
@@ -46,7 +46,7 @@ from turnstile.reader import open_output
 from turnstile.train.batches import SAMPLE_COLUMNS, TrainSample, samples_from_batch
 from turnstile.train.jsd import bucketed_jsd_from_logprobs
 
-log = logging.getLogger("turnstile.replay")
+log = logging.getLogger("turnstile.rescore")
 
 REPLAYS_TABLE: Final[str] = "replays"
 REPLAYS_SCHEMA_VERSION: Final[int] = 1
@@ -90,12 +90,12 @@ REPLAYS_SCHEMA: Final[pa.Schema] = pa.schema(
 )
 
 
-class ReplayError(RuntimeError):
+class RescoreError(RuntimeError):
     """The backend could not score a prompt."""
 
 
 @dataclass(frozen=True)
-class ReplayJob:
+class RescoreJob:
     """One (sample, reward) pair to score, with both prompts built."""
 
     sample: TrainSample
@@ -118,10 +118,10 @@ class ReplayJob:
 
 
 @dataclass
-class ReplayRow:
+class RescoreRow:
     """The scores of one job (one row of the replays table)."""
 
-    job: ReplayJob
+    job: RescoreJob
     method: str
     top_k: int | None
     jsd: npt.NDArray[np.float64]
@@ -149,7 +149,7 @@ def build_jobs(
     template: str = DEFAULT_INFO_TEMPLATE,
     done: frozenset[tuple[str, int, str]] = frozenset(),
     rewards: Sequence[str] | None = None,
-) -> Iterator[ReplayJob]:
+) -> Iterator[RescoreJob]:
     """A job per sample and reward with verifier information, skipping ``done`` keys."""
     for s in samples:
         for name, info in sorted(s.reward_info.items()):
@@ -160,16 +160,16 @@ def build_jobs(
             positions = response_positions(s.loss_mask)
             if positions.size == 0:
                 continue
-            yield ReplayJob(s, name, tokenize(render_info(name, info, template)), positions)
+            yield RescoreJob(s, name, tokenize(render_info(name, info, template)), positions)
 
 
 def score_prompt_logprobs(
-    job: ReplayJob,
+    job: RescoreJob,
     base: Sequence[Mapping[str, Mapping[str, Any]] | None],
     info: Sequence[Mapping[str, Mapping[str, Any]] | None],
     top_k: int,
     model: str | None = None,
-) -> ReplayRow:
+) -> RescoreRow:
     """Bucketed JSD per response token from two vLLM ``prompt_logprobs`` lists.
 
     Entry ``j`` of a ``prompt_logprobs`` list is ``{"<token id>": {"logprob": ...}}`` for
@@ -181,7 +181,7 @@ def score_prompt_logprobs(
     for i, t in enumerate(job.positions):
         p_entry, q_entry = base[int(t)], info[int(t) + shift]
         if p_entry is None or q_entry is None:
-            raise ReplayError(f"no prompt logprobs at position {t}")
+            raise RescoreError(f"no prompt logprobs at position {t}")
         top_p = {int(k): float(v["logprob"]) for k, v in p_entry.items()}
         top_q = {int(k): float(v["logprob"]) for k, v in q_entry.items()}
         result = bucketed_jsd_from_logprobs(top_p, top_q)
@@ -190,7 +190,7 @@ def score_prompt_logprobs(
         out["tp"][i], out["tq"][i] = result.tail_p, result.tail_q
         out["lpb"][i] = top_p.get(token, np.nan)
         out["lpi"][i] = top_q.get(token, np.nan)
-    return ReplayRow(
+    return RescoreRow(
         job,
         METHOD_PROMPT_LOGPROBS,
         top_k,
@@ -219,9 +219,9 @@ def _post(url: str, body: Mapping[str, Any], api_key: str | None) -> Any:
             return json.loads(response.read())
     except urllib.error.HTTPError as e:
         detail = e.read().decode(errors="replace")[:500]
-        raise ReplayError(f"{url}: HTTP {e.code}: {detail}") from e
+        raise RescoreError(f"{url}: HTTP {e.code}: {detail}") from e
     except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
-        raise ReplayError(f"{url}: {e}") from e
+        raise RescoreError(f"{url}: {e}") from e
 
 
 class BackendScorer:
@@ -249,7 +249,7 @@ class BackendScorer:
             with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
                 return str(json.loads(response.read())["data"][0]["id"])
         except (urllib.error.URLError, KeyError, IndexError, TimeoutError) as e:
-            raise ReplayError(f"{self.backend}/v1/models: cannot find a model: {e}") from e
+            raise RescoreError(f"{self.backend}/v1/models: cannot find a model: {e}") from e
 
     def tokenize(self, text: str) -> list[int]:
         """Token IDs of ``text`` from the backend's ``/tokenize`` (no special tokens)."""
@@ -273,11 +273,11 @@ class BackendScorer:
         for i in range(len(prompts)):
             entries = by_index[i].get("prompt_logprobs")
             if entries is None:
-                raise ReplayError("the backend returned no prompt_logprobs")
+                raise RescoreError("the backend returned no prompt_logprobs")
             out.append(entries)
         return out
 
-    def score(self, jobs: Sequence[ReplayJob]) -> list[ReplayRow]:
+    def score(self, jobs: Sequence[RescoreJob]) -> list[RescoreRow]:
         """Score a chunk of jobs with one request (base and info prompt of each)."""
         prompts: list[list[int]] = []
         for job in jobs:
@@ -292,7 +292,7 @@ class BackendScorer:
 # ----------------------------------------------------------------- the table
 
 
-def rows_table(rows: Sequence[ReplayRow]) -> pa.Table:
+def rows_table(rows: Sequence[RescoreRow]) -> pa.Table:
     """The replays table for ``rows``."""
 
     def floats(name: str) -> pa.Array:
@@ -325,7 +325,7 @@ def rows_table(rows: Sequence[ReplayRow]) -> pa.Table:
     )
 
 
-def write_replays(output: str | Path, rows: Sequence[ReplayRow]) -> Path | None:
+def write_replays(output: str | Path, rows: Sequence[RescoreRow]) -> Path | None:
     """Publish ``rows`` as one shard of ``<output>/replays/`` (staged, then renamed)."""
     if not rows:
         return None
@@ -379,7 +379,7 @@ def read_relevance(
 def relevance_for(
     samples: Sequence[TrainSample], replays: Mapping[tuple[str, int, str], npt.ArrayLike]
 ) -> dict[tuple[str, int, str], npt.NDArray[np.float64]]:
-    """Replay relevances laid out over each sample's loss tokens (0 where not scored)."""
+    """Re-scored relevances laid out over each sample's loss tokens (0 where not scored)."""
     out: dict[tuple[str, int, str], npt.NDArray[np.float64]] = {}
     for s in samples:
         mask_idx = np.flatnonzero(s.loss_mask > 0)
@@ -462,11 +462,11 @@ def progress_bar(total: int, description: str, enabled: bool = True) -> _Bar:
     return _Bar(total, description, enabled)
 
 
-def _chunks(items: Sequence[ReplayJob], size: int) -> list[Sequence[ReplayJob]]:
+def _chunks(items: Sequence[RescoreJob], size: int) -> list[Sequence[RescoreJob]]:
     return [items[i : i + size] for i in range(0, len(items), size)]
 
 
-def replay_backend(
+def rescore_backend(
     output: str | Path,
     backend: str,
     *,
@@ -480,7 +480,7 @@ def replay_backend(
     progress: bool = True,
     api_key: str | None = None,
 ) -> int:
-    """Score every not yet replayed (sample, reward) through the backend; return rows written.
+    """Score every not yet re-scored (sample, reward) through the backend; return rows written.
 
     ``prompts_per_request`` counts jobs (each sends two prompts).
     """
@@ -489,9 +489,9 @@ def replay_backend(
     done = done_keys(output, METHOD_PROMPT_LOGPROBS)
     jobs = list(build_jobs(pool, scorer.tokenize, template, done, rewards))
     written = 0
-    pending: list[ReplayRow] = []
+    pending: list[RescoreRow] = []
     with (
-        progress_bar(len(jobs), "replay", progress) as bar,
+        progress_bar(len(jobs), "rescore", progress) as bar,
         ThreadPoolExecutor(max_workers=max(1, concurrency)) as executor,
     ):
         for rows in executor.map(scorer.score, _chunks(jobs, max(1, prompts_per_request))):
@@ -503,5 +503,5 @@ def replay_backend(
                 pending = []
     write_replays(output, pending)
     written += len(pending)
-    log.info("replayed %d responses through %s", written, scorer.backend)
+    log.info("rescored %d responses through %s", written, scorer.backend)
     return written

@@ -1,4 +1,4 @@
-"""The exact replay path: MRTPO relevance from full logits of a PyTorch causal LM.
+"""The exact re-scoring path: MRTPO relevance from full logits of a PyTorch causal LM.
 
 Same jobs and the same ``replays/`` table as ``turnstile.train.rescore``, but the JSD is
 computed over the whole vocabulary, so ``jsd_upper == jsd`` and the tails are 0. This
@@ -29,7 +29,7 @@ def jsd_torch(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def score_model(model: Any, job: rescore.ReplayJob, name: str | None = None) -> rescore.ReplayRow:
+def score_model(model: Any, job: rescore.RescoreJob, name: str | None = None) -> rescore.RescoreRow:
     """Exact per-token JSD for one job."""
     device = next(iter(model.parameters())).device if hasattr(model, "parameters") else None
     base = torch.tensor([job.base_prompt], device=device)
@@ -43,12 +43,12 @@ def score_model(model: Any, job: rescore.ReplayJob, name: str | None = None) -> 
     lpb = p.gather(-1, tokens[:, None]).squeeze(-1).double().cpu().numpy()
     lpi = q.gather(-1, tokens[:, None]).squeeze(-1).double().cpu().numpy()
     zeros = np.zeros_like(d)
-    return rescore.ReplayRow(
+    return rescore.RescoreRow(
         job, rescore.METHOD_LOGITS, None, d, d.copy(), zeros, zeros.copy(), lpb, lpi, name
     )
 
 
-def replay_model(
+def rescore_model(
     output: str | Path,
     model: Any,
     tokenize: Callable[[str], list[int]],
@@ -59,12 +59,12 @@ def replay_model(
     model_name: str | None = None,
     progress: bool = True,
 ) -> int:
-    """Score every not yet replayed (sample, reward) with ``model``; return rows written."""
+    """Score every not yet re-scored (sample, reward) with ``model``; return rows written."""
     pool = list(samples) if samples is not None else rescore.load_samples(output)
     done = rescore.done_keys(output, rescore.METHOD_LOGITS)
     jobs = list(rescore.build_jobs(pool, tokenize, template, done, rewards))
-    rows: list[rescore.ReplayRow] = []
-    with rescore.progress_bar(len(jobs), "replay (logits)", progress) as bar:
+    rows: list[rescore.RescoreRow] = []
+    with rescore.progress_bar(len(jobs), "rescore (logits)", progress) as bar:
         for job in jobs:
             rows.append(score_model(model, job, model_name))
             bar.update(1)

@@ -1,4 +1,4 @@
-"""`turnstile replay` against the real CPU vLLM, checked against the exact logits path."""
+"""`turnstile rescore` against the real CPU vLLM, checked against the exact logits path."""
 
 from __future__ import annotations
 
@@ -41,14 +41,13 @@ def recorded(vllm_server: Any, tmp_path: Path) -> Iterator[Path]:
     yield output
 
 
-def test_replay_through_vllm_matches_the_exact_path(
+def test_rescore_through_vllm_matches_the_exact_path(
     recorded: Path, vllm_server: Any, tiny_model_dir: Path
 ) -> None:
     samples = list(ShardFollower(recorded))
     assert len(samples) == GROUPS * GROUP_SIZE
-    assert (
-        cli_main(["replay", str(recorded), "--backend", vllm_server.base_url, "--no-progress"]) == 0
-    )
+    command = ["rescore", str(recorded), "--backend", vllm_server.base_url, "--no-progress"]
+    assert cli_main(command) == 0
     approx = {
         (r["rollout_id"], r["reward_name"]): r
         for r in rescore.read_replays(recorded, rescore.METHOD_PROMPT_LOGPROBS).to_pylist()
@@ -57,7 +56,7 @@ def test_replay_through_vllm_matches_the_exact_path(
 
     model, tokenize = rescore_torch.load_hf_model(tiny_model_dir)
     with torch.no_grad():
-        written = rescore_torch.replay_model(recorded, model, tokenize, progress=False)
+        written = rescore_torch.rescore_model(recorded, model, tokenize, progress=False)
     assert written == 2 * len(samples)
     exact = {
         (r["rollout_id"], r["reward_name"]): r
@@ -81,4 +80,4 @@ def test_replay_through_vllm_matches_the_exact_path(
         np.testing.assert_allclose(row["logprobs_base"], ref["logprobs_base"], atol=LOGPROB_TOL)
         np.testing.assert_allclose(row["logprobs_info"], ref["logprobs_info"], atol=LOGPROB_TOL)
     # a second run has nothing left to do
-    assert rescore.replay_backend(recorded, vllm_server.base_url, progress=False) == 0
+    assert rescore.rescore_backend(recorded, vllm_server.base_url, progress=False) == 0
