@@ -505,3 +505,10 @@ def rescore_backend(
     written += len(pending)
     log.info("rescored %d responses through %s", written, scorer.backend)
     return written
+
+
+# The names from before `turnstile rescore`, kept for trainers that import them (deprecated).
+replay_backend = rescore_backend
+ReplayJob = RescoreJob
+ReplayRow = RescoreRow
+ReplayError = RescoreError

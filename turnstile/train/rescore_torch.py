@@ -87,3 +87,7 @@ def load_hf_model(model_dir: str | Path) -> tuple[Any, Callable[[str], list[int]
         return [int(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"]]
 
     return model, tokenize
+
+
+# The name from before `turnstile rescore`, kept for trainers that import it (deprecated).
+replay_model = rescore_model
