@@ -206,7 +206,7 @@ def tito(tmp_path: Path, live: Callable[[Any], LiveServer]) -> Iterator[Callable
         text = path.read_text()
         sim = SimulatedModel(TemplateRenderer(hf, text), parser_for_template(text))
         app = create_app(settings, backend=sim)
-        engine = app.state.proxy.tito
+        engine = app.state.tito
         sim.renderer = TemplateRenderer(
             hf, engine.renderer.template, engine.renderer.default_kwargs
         )
@@ -351,7 +351,7 @@ def test_a_template_failing_the_audit_is_refused_unless_allowed(tmp_path: Path) 
     app = create_app(
         load_settings(None, {**base, "allow_unsafe_template": True}, environ={}), backend=FakeVLLM()
     )
-    assert app.state.proxy.tito is not None
+    assert app.state.tito is not None
 
 
 def test_tito_needs_a_tokenizer() -> None:

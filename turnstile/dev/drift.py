@@ -214,6 +214,8 @@ class _Response:
     status: int
     headers: Mapping[str, str]
     chunks: list[bytes]
+    served_by: str | None = None
+    failover_from: str | None = None
 
     async def read(self) -> bytes:
         return b"".join(self.chunks)
@@ -524,7 +526,7 @@ async def _run_mode(
         return result
     if mode == "tito":  # the simulated model samples the format of the template TITO uses
         sim.renderer = TemplateRenderer(
-            hf, app.state.proxy.tito.renderer.template, app.state.proxy.tito.renderer.default_kwargs
+            hf, app.state.tito.renderer.template, app.state.tito.renderer.default_kwargs
         )
     async with app.router.lifespan_context(app):
         await _drive(app, sim, convs)
