@@ -1,13 +1,14 @@
 """Assembles the server from settings: backend -> proxy -> recorder -> sink, and runs it.
 
 `create_app` takes optional fakes for the backend and the sink so unit tests can run the
-whole HTTP surface without a network or a disk. It builds every part whole, the proxy
-last but for the metrics that read it: the backend (wrapped in `TitoBackend` in TITO
-mode), the recorder, the (still detached) `TurnJournal` and the metrics' counters that
-observe each finished call. The lifespan opens the journal, rebuilds what the last run
-left unpublished into the proxy, attaches the journal, and starts the writer thread and
-the idle-rollout sweep; on shutdown it lets in-flight calls finish, seals open rollouts
-as `interrupted`, and publishes everything received before the process exits.
+whole HTTP surface without a network or a disk. Every part the proxy uses is built
+before it and handed to its constructor: the backend (wrapped in `TitoBackend` in TITO
+mode), the recorder, the `TurnJournal` (detached until start-up) and the metrics'
+counters that observe each finished call; the metrics' scrape-time view of the proxy
+comes after. The lifespan opens the journal, restores into the proxy what the last run
+left unpublished, attaches the journal, and starts the writer thread and the
+idle-rollout sweep; on shutdown it lets in-flight calls finish, seals open rollouts as
+`interrupted`, and publishes everything received before the process exits.
 """
 
 from __future__ import annotations
