@@ -6,7 +6,8 @@ status the client gets and an OpenAI-compatible `type`:
 
     TurnstileError (500, internal_error)
     ├── BadRequest (400, invalid_request_error)
-    │   └── PayloadTooLarge (413)
+    │   ├── PayloadTooLarge (413)
+    │   └── MethodNotAllowed (405)
     ├── Unauthorized (401, authentication_error)
     ├── Forbidden (403, permission_error)       a rollout key used on another rollout
     ├── NotFound (404, not_found_error)
@@ -64,6 +65,10 @@ class BadRequest(TurnstileError):
 
 class PayloadTooLarge(BadRequest):
     status = 413
+
+
+class MethodNotAllowed(BadRequest):
+    status = 405
 
 
 class Unauthorized(TurnstileError):

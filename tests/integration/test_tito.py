@@ -7,6 +7,7 @@ llama.cpp), through HTTP with the openai client, streaming and not.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,9 +22,10 @@ from turnstile.dev.drift import TOOLS, SimulatedModel
 from turnstile.dev.llama_cpp_assets import ensure_llama_cpp_assets
 from turnstile.dev.template_corpus import PAIRINGS
 from turnstile.dev.vocab import ensure_vocab_tokenizer, load_tokenizer
+from turnstile.errors import BadRequest
 from turnstile.server.app import create_app
 from turnstile.settings import SettingsError, load_settings
-from turnstile.tito import TemplateRenderer, match
+from turnstile.tito import TemplateRenderer, TitoBackend, match
 from turnstile.tito.history import TurnState, canonical, same_reply
 from turnstile.tito.parsers import parser_for_template
 
@@ -209,7 +211,7 @@ def tito(tmp_path: Path, live: Callable[[Any], LiveServer]) -> Iterator[Callable
         text = path.read_text()
         sim = SimulatedModel(TemplateRenderer(hf, text), parser_for_template(text))
         app = create_app(settings, backend=sim)
-        engine = app.state.proxy.tito
+        engine = app.state.tito
         sim.renderer = TemplateRenderer(
             hf, engine.renderer.template, engine.renderer.default_kwargs
         )
@@ -354,7 +356,12 @@ def test_a_template_failing_the_audit_is_refused_unless_allowed(tmp_path: Path) 
     app = create_app(
         load_settings(None, {**base, "allow_unsafe_template": True}, environ={}), backend=FakeVLLM()
     )
-    assert app.state.proxy.tito is not None
+    assert app.state.tito is not None
+    # TITO mode is a Backend wrapper: the proxy has no TITO branch of its own.
+    backend = app.state.proxy.backend
+    assert isinstance(backend, TitoBackend) and backend.engine is app.state.tito
+    with pytest.raises(BadRequest, match="within a rollout"):  # no ROLLOUT_AFFINITY set
+        asyncio.run(backend.request("POST", "/v1/chat/completions", b"{}", {}))
 
 
 def test_tito_needs_a_tokenizer() -> None:

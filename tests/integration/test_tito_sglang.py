@@ -33,6 +33,8 @@ class _Resp:
     body: bytes
     status: int = 200
     headers: Mapping[str, str] = field(default_factory=lambda: {"Content-Type": "application/json"})
+    served_by: str | None = None
+    failover_from: str | None = None
 
     async def read(self) -> bytes:
         return self.body

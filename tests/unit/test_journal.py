@@ -48,7 +48,7 @@ from turnstile.journal.wal import (
     list_segments,
     read_frames,
     read_journal,
-    recover,
+    repair,
     segment_name,
 )
 from turnstile.records import RolloutStatus, Timings, TokenSource, TurnRecord, TurnStatus
@@ -84,11 +84,11 @@ def test_round_trip_across_segments(tmp_path: Path) -> None:
     assert len(segments) > 10
     assert triples(read_journal(tmp_path)) == written
     assert sum(len(list(read_frames(p))) for _, p in segments) == len(written)
-    report = recover(tmp_path)
+    report = repair(tmp_path)
     assert (report.frames, report.corrupt_frames, report.truncated_bytes) == (300, 0, 0)
     assert (report.first_seq, report.last_seq) == (1, 300)
     with FileJournal(tmp_path, fsync="never") as j:
-        assert triples(j.replay()) == written
+        assert triples(j.frames()) == written
         infos = j.segments()
         assert [i.segment_id for i in infos] == [s for s, _ in segments]
         for info, nxt in itertools.pairwise(infos):
@@ -123,7 +123,7 @@ def test_second_writer_is_refused(tmp_path: Path) -> None:
         with pytest.raises(JournalError):
             FileJournal(tmp_path, fsync="never")
         with pytest.raises(JournalError):
-            recover(tmp_path)
+            repair(tmp_path)
 
 
 # --- fsync policies and durability ordering ----------------------------------------------
@@ -235,10 +235,10 @@ def _segment_bytes(tmp_path: Path, count: int) -> tuple[bytes, list[tuple[int, i
     return path.read_bytes(), written
 
 
-def _recover_bytes(data: bytes, directory: Path) -> tuple[Any, list[Any], Path]:
+def _repair_bytes(data: bytes, directory: Path) -> tuple[Any, list[Any], Path]:
     directory.mkdir()
     (directory / segment_name(1)).write_bytes(data)
-    report = recover(directory)
+    report = repair(directory)
     return report, triples(read_journal(directory)), directory
 
 
@@ -246,7 +246,7 @@ def test_truncation_at_every_offset_of_the_last_frame(tmp_path: Path) -> None:
     data, written = _segment_bytes(tmp_path, 8)
     last_start = len(data) - HEADER_BYTES - len(written[-1][2])
     for cut in range(last_start, len(data)):
-        report, frames, directory = _recover_bytes(data[:cut], tmp_path / f"cut{cut}")
+        report, frames, directory = _repair_bytes(data[:cut], tmp_path / f"cut{cut}")
         assert frames == written[:-1]
         assert report.truncated_bytes == cut - last_start
         assert report.corrupt_frames == 0
@@ -254,7 +254,7 @@ def test_truncation_at_every_offset_of_the_last_frame(tmp_path: Path) -> None:
         with FileJournal(directory, fsync="never") as j:
             j.commit(j.append(3, b"next"))
         assert triples(read_journal(directory)) == [*written[:-1], (j.last_seq, 3, b"next")]
-    report, frames, _ = _recover_bytes(data, tmp_path / "whole")
+    report, frames, _ = _repair_bytes(data, tmp_path / "whole")
     assert frames == written and report.truncated_bytes == 0
 
 
@@ -269,7 +269,7 @@ def test_bit_flips_are_detected(tmp_path: Path) -> None:
     for offset in range(len(data)):
         flipped = bytearray(data)
         flipped[offset] ^= 1 << rng.randrange(8)
-        report, frames, _ = _recover_bytes(bytes(flipped), tmp_path / f"flip{offset}")
+        report, frames, _ = _repair_bytes(bytes(flipped), tmp_path / f"flip{offset}")
         hit = max(i for i, s in enumerate(starts) if s <= offset)
         assert frames == written[:hit]  # everything before the damaged frame, nothing after
         assert report.truncated_bytes == len(data) - starts[hit]
@@ -283,7 +283,7 @@ def test_corrupt_earlier_segment_skips_only_its_rest(tmp_path: Path) -> None:
     damaged = bytearray(first_path.read_bytes())
     damaged[HEADER_BYTES + 1000 + HEADER_BYTES + 5] ^= 0x40  # the second frame's payload
     first_path.write_bytes(bytes(damaged))
-    report = recover(tmp_path)
+    report = repair(tmp_path)
     assert report.corrupt_frames == 1 and report.truncated_bytes == 0
     assert report.skipped_bytes == len(damaged) - HEADER_BYTES - 1000
     assert triples(read_journal(tmp_path)) == [written[0], *written[in_first:]]
@@ -291,20 +291,20 @@ def test_corrupt_earlier_segment_skips_only_its_rest(tmp_path: Path) -> None:
 
 def test_zero_filled_tail_is_truncated(tmp_path: Path) -> None:
     data, written = _segment_bytes(tmp_path, 3)
-    report, frames, _ = _recover_bytes(data + bytes(4096), tmp_path / "zeros")
+    report, frames, _ = _repair_bytes(data + bytes(4096), tmp_path / "zeros")
     assert frames == written and report.truncated_bytes == 4096
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=2000), st.booleans())
-def test_recover_survives_arbitrary_bytes(garbage: bytes, after_valid: bool) -> None:
+def test_repair_survives_arbitrary_bytes(garbage: bytes, after_valid: bool) -> None:
     prefix = encode_frame(1, 2, b"valid") + encode_frame(2, 3, b"") if after_valid else b""
     with tempfile.TemporaryDirectory() as scratch:
         _check_arbitrary(prefix + garbage, garbage, after_valid, Path(scratch) / "j")
 
 
 def _check_arbitrary(data: bytes, garbage: bytes, after_valid: bool, directory: Path) -> None:
-    report, frames, directory = _recover_bytes(data, directory)
+    report, frames, directory = _repair_bytes(data, directory)
     if after_valid:
         assert frames[:2] == [(1, 2, b"valid"), (2, 3, b"")]
     size = (directory / segment_name(1)).stat().st_size
@@ -313,7 +313,7 @@ def _check_arbitrary(data: bytes, garbage: bytes, after_valid: bool, directory: 
     # An earlier, garbled segment never stops a later one from being read.
     (directory / segment_name(1000)).write_bytes(encode_frame(1000, 1, b"later"))
     (directory / segment_name(0)).write_bytes(garbage)
-    recover(directory)
+    repair(directory)
     assert triples(read_journal(directory))[-1] == (1000, 1, b"later")
 
 
@@ -348,7 +348,7 @@ async def test_enospc_on_write_fails_cleanly(
         later = j.append(1, payload_for(100, 300))  # space is back: the journal goes on
         await j.wait_durable(later)
         assert j.healthy
-    report = recover(tmp_path)
+    report = repair(tmp_path)
     assert report.corrupt_frames == 0 and report.truncated_bytes == 0
     assert [f.seq for f in read_journal(tmp_path)] == [*good, later]
 
@@ -372,7 +372,7 @@ async def test_fsync_failure_fails_the_journal(
     with pytest.raises(JournalError):
         j.append(1, b"refused")
     j.close()
-    assert recover(tmp_path).corrupt_frames == 0
+    assert repair(tmp_path).corrupt_frames == 0
     assert next(f.seq for f in read_journal(tmp_path)) == good
 
 
@@ -420,7 +420,7 @@ def test_sigkill_keeps_every_acknowledged_frame(tmp_path: Path) -> None:
         child.send_signal(signal.SIGKILL)
         rest, _ = child.communicate(timeout=10)
         acknowledged = [int(x) for x in (first + rest).split()]
-        recover(directory)
+        repair(directory)
         frames = list(read_journal(directory))
         seqs = [f.seq for f in frames]
         assert len(seqs) == len(set(seqs))

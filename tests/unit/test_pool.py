@@ -222,9 +222,9 @@ def test_per_model_groups_and_all_dead() -> None:
             {},
             affinity="r1",
         )
-        assert getattr(resp, "served_by", None) == "http://b"
+        assert resp.served_by == "http://b"
         resp = await pool.request("GET", "/v1/models", None, {})
-        assert getattr(resp, "served_by", None) == "http://a"
+        assert resp.served_by == "http://a"
 
     asyncio.run(go())
     assert b.requests and a.requests

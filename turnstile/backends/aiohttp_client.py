@@ -24,7 +24,15 @@ READ_CHUNK_BYTES = 64 * 1024
 
 
 class _AiohttpResponse:
-    __slots__ = ("_deadline", "_resp", "_timeouts", "headers", "status")
+    __slots__ = (
+        "_deadline",
+        "_resp",
+        "_timeouts",
+        "failover_from",
+        "headers",
+        "served_by",
+        "status",
+    )
 
     def __init__(self, resp: aiohttp.ClientResponse, timeouts: Timeouts, deadline: float) -> None:
         self._resp = resp
@@ -32,6 +40,8 @@ class _AiohttpResponse:
         self._deadline = deadline
         self.status = resp.status
         self.headers: Mapping[str, str] = resp.headers
+        self.served_by: str | None = None  # one backend: no pool member to name
+        self.failover_from: str | None = None
 
     def _budget(self) -> float:
         remaining = self._deadline - time.monotonic()

@@ -311,6 +311,8 @@ class FakeResponse:
     delay_s: float = 0.0
     closed: bool = False
     sent: int = 0
+    served_by: str | None = None
+    failover_from: str | None = None
 
     async def read(self) -> bytes:
         return b"".join([c async for c in self.iter_chunks()])

@@ -18,7 +18,7 @@
   ejected or cannot be connected to, never because it is slow, answered an error
   status, or broke mid-response (the generation may have happened: a retry would
   sample twice). A moved call is recorded with the backend it left
-  (`PoolResponse.failover_from`), and the rollout's home becomes the new backend.
+  (`BackendResponse.failover_from`), and the rollout's home becomes the new backend.
 
 When every backend of a group is ejected, they are still tried in ring order (health
 checks can lag behind a recovery); only when none can be connected to does the call
@@ -168,8 +168,8 @@ class PoolResponse:
         self._inner = inner
         self.status = inner.status
         self.headers: Mapping[str, str] = inner.headers
-        self.served_by = served_by
-        self.failover_from = failover_from
+        self.served_by: str | None = served_by
+        self.failover_from: str | None = failover_from
 
     async def read(self) -> bytes:
         return await self._inner.read()

@@ -36,10 +36,17 @@ class Timeouts:
 
 
 class BackendResponse(Protocol):
-    """An open response from the backend; the caller must `close()` it."""
+    """An open response from the backend; the caller must `close()` it.
+
+    `served_by` and `failover_from` are set by a pool (`turnstile.backends.pool`): the
+    backend that answered, and the dead one the rollout was moved away from; both are
+    None for a single backend. Adapters that wrap a response pass them on.
+    """
 
     status: int
     headers: Mapping[str, str]
+    served_by: str | None
+    failover_from: str | None
 
     async def read(self) -> bytes:
         """The whole body (bounded by the idle and total timeouts)."""

@@ -335,6 +335,8 @@ class _MadeResponse:
     ) -> None:
         self.status = status
         self.headers: Mapping[str, str] = {"Content-Type": content_type}
+        self.served_by = upstream.served_by
+        self.failover_from = upstream.failover_from
         self._chunks = chunks
         self._upstream = upstream
 

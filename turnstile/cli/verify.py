@@ -14,7 +14,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from turnstile.journal.codec import CodecError, EventKind, decode_turn
-from turnstile.journal.recovery import JOURNAL_DIR, published_keys
+from turnstile.journal.rebuild import JOURNAL_DIR, published_keys
 from turnstile.journal.wal import read_journal
 from turnstile.output.schema import SCHEMAS, TABLES
 from turnstile.reader import ShardFormatError, check_shard

@@ -493,7 +493,7 @@ async def _run_mode(
         return result
     if mode == "tito":  # the simulated model samples the format of the template TITO uses
         sim.renderer = TemplateRenderer(
-            hf, app.state.proxy.tito.renderer.template, app.state.proxy.tito.renderer.default_kwargs
+            hf, app.state.tito.renderer.template, app.state.tito.renderer.default_kwargs
         )
     async with app.router.lifespan_context(app):
         await _drive(app, sim, convs)

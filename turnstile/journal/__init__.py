@@ -1,1 +1,1 @@
-"""The write-ahead journal: log, codec, start-up recovery and retention."""
+"""The write-ahead journal: log, codec, the proxy's turn journal, start-up rebuild, retention."""

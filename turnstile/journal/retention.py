@@ -2,7 +2,7 @@
 
 A frame is still needed while the writer holds work pinned to it that is not yet in a
 published shard (`Recorder.oldest_pin`), or while an open rollout began at or before it
-(recovery rebuilds the rollout from its frames). Each pass finds the oldest segments the
+(start-up rebuilds the rollout from its frames). Each pass finds the oldest segments the
 writer no longer needs; open rollouts that still reach back into them are checkpointed
 (their whole state journaled again, `RolloutRegistry.checkpoint`), so a long-lived
 rollout never holds the journal back; so is the frame holding the current policy
@@ -38,10 +38,10 @@ def removable_through(segments: Sequence[SegmentInfo], floor: int) -> SegmentInf
 async def retain_once(proxy: Proxy) -> int:
     """Delete the segments nothing needs any more; returns how many were deleted."""
     journal = proxy.journal
-    if journal is None:
+    if not journal.attached:
         return 0
     segments = await asyncio.to_thread(journal.segments)
-    pins = [journal.last_seq + 1, proxy.recorder.oldest_pin]
+    pins = [journal.next_seq, proxy.recorder.oldest_pin]
     candidate = removable_through(segments, min(p for p in pins if p is not None))
     if candidate is None:
         return 0
@@ -50,13 +50,11 @@ async def retain_once(proxy: Proxy) -> int:
         proxy.registry.checkpoint(rollout)
     if 0 < proxy.policy_seq < candidate.end_seq:
         await proxy.set_policy_version(proxy.policy_version)
-    await proxy.durable()
+    await journal.durable()
     through = removable_through(segments, proxy.retention_floor())
     if through is None:
         return 0
-    removed = await asyncio.to_thread(journal.remove_through, through.segment_id)
-    proxy.journal_segments_removed += removed
-    return removed
+    return await asyncio.to_thread(journal.remove_through, through.segment_id)
 
 
 async def retain_forever(proxy: Proxy, interval_s: float) -> None:

@@ -10,7 +10,7 @@ Frame, little-endian:
 
 The CRC (zlib.crc32) covers seq, kind and payload. Segments are `journal-<seq:020d>.wal`,
 named by the first sequence number they may hold; a journal opened on a directory
-recovers it (truncating a torn or corrupt tail of the last segment) and then writes to
+repairs it (truncating a torn or corrupt tail of the last segment) and then writes to
 a fresh segment. Segments are removed only by `remove_through`, once the caller has
 published their records elsewhere.
 
@@ -108,7 +108,7 @@ class SegmentInfo:
 
 
 @dataclass(slots=True)
-class RecoveryReport:
+class RepairReport:
     segments: int = 0
     frames: int = 0
     first_seq: int | None = None
@@ -137,7 +137,7 @@ class Journal(Protocol):
     @property
     def healthy(self) -> bool: ...
 
-    def replay(self) -> Iterator[Frame]:
+    def frames(self) -> Iterator[Frame]:
         """The frames that were on disk when the journal was opened, in order."""
 
     def segments(self) -> list[SegmentInfo]: ...
@@ -218,7 +218,7 @@ def read_frames(path: Path) -> Iterator[Frame]:
 
 def read_journal(directory: Path) -> Iterator[Frame]:
     """Every valid frame of a journal directory in sequence order, skipping the rest of a
-    segment after a bad frame. Read-only: run `recover` (or open a `FileJournal`) first."""
+    segment after a bad frame. Read-only: run `repair` (or open a `FileJournal`) first."""
     return _read_segments(list_segments(directory))
 
 
@@ -232,8 +232,8 @@ def _read_segments(segments: list[tuple[int, Path]]) -> Iterator[Frame]:
             after = scan.last_seq
 
 
-def _recover(directory: Path, *, sync: bool) -> RecoveryReport:
-    report = RecoveryReport()
+def _repair(directory: Path, *, sync: bool) -> RepairReport:
+    report = RepairReport()
     segments = list_segments(directory)
     report.segments = len(segments)
     after = -1
@@ -272,11 +272,11 @@ def _lock(directory: Path) -> int:
     return fd
 
 
-def recover(directory: Path) -> RecoveryReport:
+def repair(directory: Path) -> RepairReport:
     """Truncate a torn or corrupt tail of the last segment; count what is there."""
     lock = _lock(directory)
     try:
-        return _recover(directory, sync=True)
+        return _repair(directory, sync=True)
     finally:
         os.close(lock)
 
@@ -321,13 +321,13 @@ class FileJournal:
         self._max_pending = max_pending_bytes
         self._lock_fd = _lock(self.directory)
         try:
-            self.recovery = _recover(self.directory, sync=self._sync)
+            self.repair_report = _repair(self.directory, sync=self._sync)
             self._segment_ids = self._drop_empty_tail()
         except OSError as exc:
             os.close(self._lock_fd)
-            raise JournalError(f"journal recovery failed: {exc}") from exc
-        self._recovered_ids = list(self._segment_ids)
-        last = max([self.recovery.last_seq or 0, *self._segment_ids])
+            raise JournalError(f"journal repair failed: {exc}") from exc
+        self._opened_ids = list(self._segment_ids)
+        last = max([self.repair_report.last_seq or 0, *self._segment_ids])
         self._cond = threading.Condition()
         self._seg_lock = threading.Lock()
         self._next_seq = last + 1
@@ -569,9 +569,9 @@ class FileJournal:
             infos.append(SegmentInfo(segment_id, path, size, end, segment_id == active))
         return infos
 
-    def replay(self) -> Iterator[Frame]:
-        """The frames recovered at open, in sequence order (appends go to newer segments)."""
-        paths = [(s, self.directory / segment_name(s)) for s in self._recovered_ids]
+    def frames(self) -> Iterator[Frame]:
+        """The frames on disk at open (repaired), in order; appends go to newer segments."""
+        paths = [(s, self.directory / segment_name(s)) for s in self._opened_ids]
         return _read_segments([(s, path) for s, path in paths if path.exists()])
 
     def remove_through(self, segment_id: int) -> int:
@@ -585,7 +585,7 @@ class FileJournal:
                 with contextlib.suppress(FileNotFoundError):
                     (self.directory / segment_name(s)).unlink()
             self._segment_ids = [s for s in self._segment_ids if s > segment_id]
-            self._recovered_ids = [s for s in self._recovered_ids if s > segment_id]
+            self._opened_ids = [s for s in self._opened_ids if s > segment_id]
         if doomed and self._sync:
             fsync_path(self.directory)
         return len(doomed)

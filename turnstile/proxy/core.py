@@ -6,6 +6,13 @@ forwards it, and returns either a whole body (`Relay`) or an async iterator of S
 one recorded turn per choice, with status `ok`, `aborted` (stream cut: backend died,
 client left, shutdown) or `error` (refused, unreachable, timed out). A turn is handed to
 the recorder before the client gets the end of the response (the JSON body or `[DONE]`).
+
+Everything the proxy works with comes in through its constructor: the backend (TITO mode
+and pools are `Backend` wrappers around the real one), the recorder, the journal
+(`TurnJournal`), the id factory of rollouts the client did not name, and the observers
+told of each finished call (`on_turn`, the metrics) and of each sealed rollout
+(`on_seal`). State changes from outside go through named methods: `restore` (what the
+journal held at start-up), `set_policy_version` and `start_draining`.
 """
 
 from __future__ import annotations
@@ -14,9 +21,9 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import orjson
@@ -28,8 +35,10 @@ from turnstile.errors import (
     Overloaded,
     TurnstileError,
 )
-from turnstile.journal.codec import Event, PolicyVersionSet, encode_event
-from turnstile.journal.wal import Journal, JournalError
+from turnstile.journal.codec import PolicyVersionSet
+from turnstile.journal.rebuild import Rebuilt
+from turnstile.journal.turns import TurnJournal
+from turnstile.journal.wal import JournalError
 from turnstile.jsontext import json_text
 from turnstile.limits import MAX_OPEN_ROLLOUT_BYTES, MAX_ROLLOUT_BYTES
 from turnstile.output.recorder import Recorder, SealJob
@@ -43,13 +52,10 @@ from turnstile.proxy.capture import (
     sampling_params,
 )
 from turnstile.proxy.capture import validate_request as validate
-from turnstile.proxy.retries import Answer, ReplayCache, is_retry, replay_key
+from turnstile.proxy.retries import Answer, AnswerCache, answer_key, is_retry
 from turnstile.proxy.rollouts import Rollout, RolloutRegistry
 from turnstile.proxy.sse import DONE, SSEError, SSEEvent, SSEParser, encode_data
-from turnstile.records import Timings, TokenSource, TurnRecord, TurnStatus
-
-if TYPE_CHECKING:
-    from turnstile.tito.engine import TitoEngine
+from turnstile.records import RolloutStatus, Timings, TokenSource, TurnRecord, TurnStatus
 
 log = logging.getLogger("turnstile.proxy")
 
@@ -57,6 +63,11 @@ PATHS = {CHAT: "/v1/chat/completions", "completions": "/v1/completions"}
 _EMPTY_I32 = np.zeros(0, dtype=np.int32)
 _EMPTY_F32 = np.zeros(0, dtype=np.float32)
 _JSON = "application/json"
+
+# Told the records of each finished call (one per choice), e.g. to count them.
+TurnObserver = Callable[[Sequence[TurnRecord]], None]
+# Told the id of each rollout handed over sealed, e.g. to drop state kept for it.
+SealObserver = Callable[[str], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +106,7 @@ class _Call:
     t_sent: float | None = None
     t_first: float | None = None
     done: bool = False
-    replay_key: str | None = None
+    answer_key: str | None = None
     seq: int = 0  # journal frame of the call's last record
     journal_error: JournalError | None = None
     served_by: str | None = None  # the backend of a pool that answered
@@ -122,66 +133,102 @@ class Proxy:
         top_logprobs: int,
         policy_version: int,
         idle_timeout_s: float,
+        journal: TurnJournal | None = None,
+        new_rollout_id: Callable[[], str] | None = None,
+        on_turn: TurnObserver | None = None,
+        on_seal: SealObserver | None = None,
         max_rollout_bytes: int = MAX_ROLLOUT_BYTES,
         max_open_rollout_bytes: int = MAX_OPEN_ROLLOUT_BYTES,
     ) -> None:
         self.backend = backend
         self.recorder = recorder
         self.top_logprobs = top_logprobs
-        self.policy_version = policy_version
-        self.journal: Journal | None = None  # opened at start-up (turnstile.server.app)
-        self.policy_seq = 0  # the journal frame holding the policy version (0: none)
-        self.journal_segments_removed = 0
+        self.journal = journal if journal is not None else TurnJournal()
+        self._policy_version = policy_version
+        self._policy_seq = 0  # the journal frame holding the policy version (0: none)
+        self._on_turn = on_turn
+        self._on_seal = on_seal
         self.registry = RolloutRegistry(
-            self._on_seal,
+            self._hand_over_sealed,
             idle_timeout_s,
-            self.journal_event,
+            self.journal.append,
+            new_id=new_rollout_id,
             max_rollout_bytes=max_rollout_bytes,
             max_open_bytes=max_open_rollout_bytes,
         )
-        self.draining = False
+        self._draining = False
         self.in_flight = 0
         self.idle = asyncio.Event()  # set while no call is in flight
         self.idle.set()
-        self.replays = ReplayCache()
-        self.tito: TitoEngine | None = None  # set in TITO mode (turnstile.server.app)
+        self.answers = AnswerCache()
+
+    # -- state ----------------------------------------------------------------------------
+    @property
+    def policy_version(self) -> int:
+        """The policy version of new turns (unless a call names its own)."""
+        return self._policy_version
+
+    @property
+    def policy_seq(self) -> int:
+        """The journal frame holding the policy version (0: none)."""
+        return self._policy_seq
+
+    @property
+    def draining(self) -> bool:
+        """True once shutting down: new calls are refused with 503."""
+        return self._draining
+
+    def start_draining(self) -> None:
+        """Refuse new calls from now on; calls in flight finish (`idle` is set after)."""
+        self._draining = True
+
+    def restore(self, rebuilt: Rebuilt, *, restore_open: bool = True) -> None:
+        """Take over what the journal held at start-up and the shards did not.
+
+        Unpublished turns go to the recorder, sealed rollouts are stitched again, open
+        rollouts are restored (or, with `restore_open` off, sealed as interrupted).
+        Called before the journal is attached, so none of this is journaled again.
+        """
+        if not rebuilt.frames:
+            return
+        if rebuilt.policy_version is not None:
+            self._policy_version, self._policy_seq = rebuilt.policy_version, rebuilt.policy_seq
+        if rebuilt.unpublished_turns:
+            self.recorder.submit_turns(rebuilt.unpublished_turns, pin=rebuilt.unpublished_first_seq)
+        for state in rebuilt.open_rollouts:
+            self.registry.restore(state.rollout())
+        if not restore_open:
+            self.registry.seal_all(RolloutStatus.INTERRUPTED)
+        for state in rebuilt.sealed_rollouts:
+            self.hand_over(
+                state.rollout(),
+                skip_samples=rebuilt.published_samples_of(state.rollout_id),
+                skip_rollout=state.rollout_id in rebuilt.published_rollouts,
+            )
+        log.info("%s", rebuilt.summary())
 
     # -- durability -------------------------------------------------------------------
-    def journal_event(self, event: Event) -> int:
-        """Append an event to the journal; its sequence number (0 without a journal)."""
-        if self.journal is None:
-            return 0
-        kind, payload = encode_event(event)
-        return self.journal.append(kind, payload)
-
-    async def durable(self, seq: int | None = None) -> None:
-        """Wait until journal frame `seq` (default: the latest) is durable."""
-        if self.journal is None:
-            return
-        await self.journal.wait_durable(self.journal.last_seq if seq is None else seq)
-
     async def set_policy_version(self, version: int) -> None:
         """Make `version` the policy version of new turns, durably (it survives a crash)."""
-        seq = self.journal_event(PolicyVersionSet(version, time.time()))
-        self.policy_version, self.policy_seq = version, seq
-        await self.durable(seq)
+        seq = self.journal.append(PolicyVersionSet(version, time.time()))
+        self._policy_version, self._policy_seq = version, seq
+        await self.journal.durable(seq)
 
     def retention_floor(self) -> int:
         """The oldest journal frame still needed: by an open rollout, by work the writer
         has not published yet, or (past everything) the next frame to be appended."""
-        assert self.journal is not None
-        floors = [self.journal.last_seq + 1, self.registry.oldest_seq(), self.recorder.oldest_pin]
+        floors = [self.journal.next_seq, self.registry.oldest_seq(), self.recorder.oldest_pin]
         return min(f for f in floors if f is not None)
 
     async def _acknowledge(self, call: _Call) -> None:
         if call.journal_error is not None:
             raise call.journal_error
-        await self.durable(call.seq)
+        await self.journal.durable(call.seq)
 
     # -- rollout hand-over -------------------------------------------------------------
-    def _on_seal(self, rollout: Rollout) -> None:
-        if self.tito is not None:
-            self.tito.forget(rollout.rollout_id)
+    def _hand_over_sealed(self, rollout: Rollout) -> None:
+        if self._on_seal is not None:
+            self._on_seal(rollout.rollout_id)
         self.hand_over(rollout)
 
     def hand_over(
@@ -225,18 +272,18 @@ class Proxy:
         retry_count: str | None = None,
     ) -> Relay | StreamRelay:
         received_at, t0 = time.time(), time.perf_counter()
-        key = replay_key(rollout_id, endpoint, raw, idempotency_key, retry_count)
+        key = answer_key(rollout_id, endpoint, raw, idempotency_key, retry_count)
         if key is not None and is_retry(retry_count, idempotency_key):
-            answer = await self.replays.lookup(key)
+            answer = await self.answers.lookup(key)
             if answer is not None:
-                log.info("replayed a retried call of rollout %s", rollout_id)
-                return _replay(answer)
+                log.info("re-sent the answer to a retried call of rollout %s", rollout_id)
+                return _resend(answer)
         try:
             parsed = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
             raise BadRequest(f"the request body is not valid JSON: {exc}") from None
         body = validate(endpoint, parsed)
-        if self.draining:
+        if self._draining:
             raise Overloaded("Turnstile is shutting down", retry_after_s=5)
         self.recorder.admit()
         rollout, turn_index = self.registry.begin_turn(rollout_id)
@@ -256,23 +303,19 @@ class Proxy:
         self.in_flight += 1
         self.idle.clear()
         if key is not None:
-            call.replay_key = key
-            self.replays.begin(key)
+            call.answer_key = key
+            self.answers.begin(key)
         capture = ResponseCapture(plan)
         try:
             call.t_sent = time.perf_counter()
             affinity = ROLLOUT_AFFINITY.set(rollout.rollout_id)  # a pool routes on it
             try:
-                if self.tito is not None and endpoint == CHAT:  # token-in-token-out mode
-                    resp = await self.tito.request(rollout.rollout_id, body)
-                else:
-                    resp = await self.backend.request(
-                        "POST", PATHS[endpoint], orjson.dumps(body), {"Content-Type": _JSON}
-                    )
+                resp = await self.backend.request(
+                    "POST", PATHS[endpoint], orjson.dumps(body), {"Content-Type": _JSON}
+                )
             finally:
                 ROLLOUT_AFFINITY.reset(affinity)
-            call.served_by = getattr(resp, "served_by", None)  # set by turnstile.backends.pool
-            call.failover_from = getattr(resp, "failover_from", None)
+            call.served_by, call.failover_from = resp.served_by, resp.failover_from
             if resp.status >= 400:
                 raise await read_error(resp)
         except TurnstileError as exc:
@@ -336,7 +379,7 @@ class Proxy:
     ) -> AsyncIterator[bytes]:
         parser = SSEParser()
         events = _EventRelay(call, capture)
-        kept: list[bytes] | None = [] if call.replay_key is not None else None
+        kept: list[bytes] | None = [] if call.answer_key is not None else None
         error: str | None = None
         try:
             async for chunk in resp.iter_chunks():
@@ -407,8 +450,8 @@ class Proxy:
         if call.done:
             return
         call.done = True
-        if call.replay_key is not None:
-            self.replays.complete(call.replay_key, answer if status is TurnStatus.OK else None)
+        if call.answer_key is not None:
+            self.answers.complete(call.answer_key, answer if status is TurnStatus.OK else None)
         self.in_flight -= 1
         if self.in_flight == 0:
             self.idle.set()
@@ -416,16 +459,15 @@ class Proxy:
         first: int | None = None
         try:
             for record in records:
-                call.seq = self.journal_event(record)
+                call.seq = self.journal.append(record)
                 first = first or call.seq or None
         except JournalError as exc:  # not acknowledged; still recorded and released
             call.journal_error = exc
             log.error("journal append failed for rollout %s: %s", call.rollout.rollout_id, exc)
         self.recorder.submit_turns(records, pin=first)
         self.registry.end_turn(call.rollout, records)
-        from turnstile.server.metrics import observe_turns
-
-        observe_turns(self, records)
+        if self._on_turn is not None:
+            self._on_turn(records)
 
     def _records(
         self,
@@ -574,7 +616,8 @@ class _EventRelay:
         return b"".join(out)
 
 
-def _replay(answer: Answer) -> Relay | StreamRelay:
+def _resend(answer: Answer) -> Relay | StreamRelay:
+    """The remembered answer of a call, for its retry (marked as re-sent)."""
     headers = {**answer.headers, "X-Turnstile-Replayed": "true"}
     if not answer.stream:
         return Relay(answer.status, answer.content_type, answer.chunks[0], headers)

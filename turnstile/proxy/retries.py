@@ -1,4 +1,4 @@
-"""Idempotent retries: an SDK retry of a call that succeeded replays the recorded answer.
+"""Idempotent retries: an SDK retry of a call that succeeded gets the remembered answer.
 
 The openai SDKs send `x-stainless-retry-count` (0 on the first try) and many clients an
 `Idempotency-Key`. A call carrying either is remembered under a digest of its rollout,
@@ -15,7 +15,7 @@ import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-# Answers kept for replay. SDK retries come within seconds to minutes of the first try.
+# Answers kept for retries. SDK retries come within seconds to minutes of the first try.
 MAX_ENTRIES = 4096
 # Total bytes of kept answers; a larger answer is simply not kept.
 MAX_BYTES = 256 * 1024 * 1024
@@ -43,14 +43,14 @@ class _Entry:
     answer: Answer | None = None
 
 
-def replay_key(
+def answer_key(
     rollout_id: str | None,
     endpoint: str,
     body: bytes,
     idempotency_key: str | None,
     retry_count: str | None,
 ) -> str | None:
-    """The digest a call is remembered under, or None when it is not replayable."""
+    """The digest a call's answer is remembered under, or None when it is not kept."""
     if idempotency_key is None and retry_count is None:
         return None
     h = hashlib.sha256()
@@ -70,15 +70,15 @@ def is_retry(retry_count: str | None, idempotency_key: str | None) -> bool:
         return False
 
 
-class ReplayCache:
-    """A bounded memory of replayable answers, oldest evicted first."""
+class AnswerCache:
+    """A bounded memory of answers to re-send to retries, oldest evicted first."""
 
     def __init__(self, max_entries: int = MAX_ENTRIES, max_bytes: int = MAX_BYTES) -> None:
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
         self._max_entries = max_entries
         self._max_bytes = max_bytes
         self._bytes = 0
-        self.replayed = 0
+        self.resent = 0
 
     def begin(self, key: str) -> None:
         """Mark a first try as in flight."""
@@ -87,7 +87,7 @@ class ReplayCache:
         self._evict()
 
     async def lookup(self, key: str) -> Answer | None:
-        """The answer to replay for a retry, waiting for a first try in flight."""
+        """The answer to re-send to a retry, waiting for a first try in flight."""
         entry = self._entries.get(key)
         if entry is None:
             return None
@@ -97,7 +97,7 @@ class ReplayCache:
             except TimeoutError:
                 return None
         if entry.answer is not None:
-            self.replayed += 1
+            self.resent += 1
         return entry.answer
 
     def complete(self, key: str, answer: Answer | None) -> None:

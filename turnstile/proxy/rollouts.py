@@ -49,6 +49,10 @@ def turn_bytes(record: TurnRecord) -> int:
     return size
 
 
+def _random_id() -> str:
+    return uuid.uuid4().hex
+
+
 def check_rollout_id(rollout_id: str) -> str:
     if len(rollout_id) > MAX_ROLLOUT_ID_LENGTH or not _ID_RE.match(rollout_id):
         raise BadRequest(
@@ -112,6 +116,7 @@ class RolloutRegistry:
         idle_timeout_s: float,
         on_event: Callable[[Event], int] | None = None,
         *,
+        new_id: Callable[[], str] | None = None,
         max_rollout_bytes: int = MAX_ROLLOUT_BYTES,
         max_open_bytes: int = MAX_OPEN_ROLLOUT_BYTES,
     ) -> None:
@@ -123,7 +128,7 @@ class RolloutRegistry:
         self.held_bytes = 0  # all open rollouts' turns
         # Ids for rollouts the client did not name; with several workers, ids this
         # worker owns (turnstile.server.workers), so their later calls come back here.
-        self.new_id: Callable[[], str] = lambda: uuid.uuid4().hex
+        self._new_id: Callable[[], str] = new_id or _random_id
         self._open: dict[str, Rollout] = {}
         self._sealed: OrderedDict[str, Rollout] = OrderedDict()
 
@@ -189,7 +194,7 @@ class RolloutRegistry:
         metadata: dict[str, Any] | None = None,
         implicit: bool = False,
     ) -> Rollout:
-        rid = check_rollout_id(rollout_id) if rollout_id else self.new_id()
+        rid = check_rollout_id(rollout_id) if rollout_id else self._new_id()
         if rid in self._open or rid in self._sealed:
             raise Conflict(f"rollout {rid!r} already exists", param="rollout_id")
         rollout = Rollout(rid, group_id, task_id, metadata, implicit)

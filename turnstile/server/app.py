@@ -1,9 +1,14 @@
 """Assembles the server from settings: backend -> proxy -> recorder -> sink, and runs it.
 
 `create_app` takes optional fakes for the backend and the sink so unit tests can run the
-whole HTTP surface without a network or a disk. The lifespan starts the writer thread
-and the idle-rollout sweep; on shutdown it lets in-flight calls finish, seals open
-rollouts as `interrupted`, and publishes everything received before the process exits.
+whole HTTP surface without a network or a disk. Every part the proxy uses is built
+before it and handed to its constructor: the backend (wrapped in `TitoBackend` in TITO
+mode), the recorder, the `TurnJournal` (detached until start-up) and the metrics'
+counters that observe each finished call; the metrics' scrape-time view of the proxy
+comes after. The lifespan opens the journal, restores into the proxy what the last run
+left unpublished, attaches the journal, and starts the writer thread and the
+idle-rollout sweep; on shutdown it lets in-flight calls finish, seals open rollouts as
+`interrupted`, and publishes everything received before the process exits.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from fastapi import FastAPI
@@ -22,8 +27,9 @@ from turnstile.backends.factory import build_backend
 from turnstile.backends.pool import BackendPool
 from turnstile.backends.protocol import Backend, Timeouts
 from turnstile.errors import TurnstileError
-from turnstile.journal.recovery import JOURNAL_DIR, apply_recovery, recover
+from turnstile.journal.rebuild import JOURNAL_DIR, rebuild
 from turnstile.journal.retention import retain_forever
+from turnstile.journal.turns import TurnJournal
 from turnstile.journal.wal import FileJournal, list_segments
 from turnstile.limits import ROLLOUT_SWEEP_INTERVAL_S, WRITER_JOIN_TIMEOUT_S
 from turnstile.output.objstore import ObjectStorePublisher, open_store
@@ -34,15 +40,14 @@ from turnstile.proxy.core import Proxy
 from turnstile.runtime import tune_gc
 from turnstile.server.auth import AuthMiddleware, RolloutKeys
 from turnstile.server.logs import RequestContext
-from turnstile.server.metrics import HTTPMetrics, add_metrics_route
-from turnstile.server.metrics import attach as attach_metrics
+from turnstile.server.metrics import EventMetrics, HTTPMetrics, TurnstileMetrics, add_metrics_route
 from turnstile.server.routes.api import add_routes, install_error_handlers
-from turnstile.server.routes.completions import CompletionFastPath
+from turnstile.server.routes.completions import CompletionFastPath, openapi_paths
+from turnstile.server.workers import WorkerRouter, WorkerSpec, id_factory, peer_clients
 from turnstile.settings import Settings, SettingsError, resolve_secret
 
 if TYPE_CHECKING:
-    from turnstile.tito import TitoEngine
-from turnstile.server.workers import WorkerRouter, WorkerSpec, id_factory, peer_clients
+    from turnstile.tito import TitoBackend
 
 log = logging.getLogger("turnstile")
 
@@ -67,16 +72,16 @@ async def _model_identity(backend: Backend) -> str | None:
     return ", ".join(names) or None
 
 
-def _tito_engine(
+def _tito_backend(
     settings: Settings, backend: Backend, tokenizer: LocalTokenizer | None
-) -> TitoEngine:
-    """TITO mode's engine; a template the audit refuses stops start-up with the reason."""
-    from turnstile.tito import TemplateRefused, build_engine
+) -> TitoBackend:
+    """`backend` in TITO mode; a template the audit refuses stops start-up with the reason."""
+    from turnstile.tito import TemplateRefused, TitoBackend, build_engine
 
     if tokenizer is None:  # settings require one in TITO mode
         raise SettingsError("mode 'tito' needs a tokenizer directory")
     try:
-        return build_engine(
+        engine = build_engine(
             backend,
             tokenizer.hf,
             template_path=settings.chat_template,
@@ -89,6 +94,19 @@ def _tito_engine(
         )
     except TemplateRefused as exc:
         raise SettingsError(f"TITO mode: {exc}") from None
+    return TitoBackend(backend, engine)
+
+
+class TurnstileAPI(FastAPI):
+    """The app, whose OpenAPI schema also lists the completion routes served in front of
+    FastAPI (`turnstile.server.routes.completions`)."""
+
+    def openapi(self) -> dict[str, Any]:
+        schema = self.openapi_schema
+        if schema is None:
+            schema = super().openapi()  # cached by FastAPI: completed once, here
+            schema["paths"] = {**openapi_paths(), **schema.get("paths", {})}
+        return schema
 
 
 def create_app(
@@ -131,21 +149,24 @@ def create_app(
             manifest=publisher is None,
         )
     recorder = Recorder(sink, max_backlog=settings.recorder_queue_size, tokenizer=tokenizer)
+    tito = _tito_backend(settings, backend, tokenizer) if settings.mode == "tito" else None
+    journal = TurnJournal()  # attached at start-up, once the last run's state is rebuilt
+    events = EventMetrics()
     proxy = Proxy(
-        backend,
+        backend if tito is None else tito,
         recorder,
         top_logprobs=settings.top_logprobs,
         policy_version=settings.policy_version,
         idle_timeout_s=settings.rollout_idle_timeout_s,
+        journal=journal,
+        # With several workers, ids this worker owns, so later calls come back here.
+        new_rollout_id=None if worker is None else id_factory(worker.index, worker.count),
+        on_turn=events.observe,
+        on_seal=None if tito is None else tito.forget,  # a sealed rollout's token state
         max_rollout_bytes=settings.max_rollout_bytes,
         max_open_rollout_bytes=settings.max_open_rollout_bytes,
     )
-    if settings.mode == "tito":
-        proxy.tito = _tito_engine(settings, backend, tokenizer)
-    peers: dict[int, Backend] = {}
-    if worker is not None:
-        proxy.registry.new_id = id_factory(worker.index, worker.count)
-        peers = peer_clients(worker, timeouts)
+    peers: dict[int, Backend] = {} if worker is None else peer_clients(worker, timeouts)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -155,15 +176,15 @@ def create_app(
             publisher.start()
         model = await _model_identity(backend)
         identity["turnstile.model"] = model or ""
-        journal = await asyncio.to_thread(
+        wal = await asyncio.to_thread(
             FileJournal,
             journal_dir,
             fsync=settings.fsync,
             segment_bytes=settings.journal_segment_bytes,
         )
-        recovered = await asyncio.to_thread(recover, journal, settings.output)
-        apply_recovery(recovered, proxy, restore_open=settings.recover_open_rollouts == "restore")
-        proxy.journal = journal
+        rebuilt = await asyncio.to_thread(rebuild, wal, settings.output)
+        proxy.restore(rebuilt, restore_open=settings.recover_open_rollouts == "restore")
+        journal.attach(wal)
         recorder.start()
         sweeper = asyncio.ensure_future(_sweep(proxy))
         retainer = asyncio.ensure_future(
@@ -190,7 +211,7 @@ def create_app(
             finished = await asyncio.to_thread(recorder.stop, WRITER_JOIN_TIMEOUT_S)
             if publisher is not None:  # the last shards go to the store (or stay staged)
                 await asyncio.to_thread(publisher.stop)
-            await asyncio.to_thread(journal.close)
+            await asyncio.to_thread(wal.close)
             if finished and recorder.error is None:
                 # Everything journaled is published: the next start has nothing to replay.
                 for _, segment in list_segments(journal_dir):
@@ -202,13 +223,14 @@ def create_app(
                 "" if finished else " (WRITER DID NOT FINISH IN TIME)",
             )
 
-    app = FastAPI(
+    app = TurnstileAPI(
         title="Turnstile",
         version=__version__,
         description="OpenAI-compatible recording reverse proxy for RL training.",
         lifespan=lifespan,
     )
     app.state.proxy = proxy
+    app.state.tito = None if tito is None else tito.engine
     app.state.publisher = publisher
     client_keys = [k for k in map(resolve_secret, settings.api_key_env) if k]
     admin_key = resolve_secret(settings.admin_api_key_env)
@@ -226,11 +248,17 @@ def create_app(
             WorkerRouter, spec=worker, peers=peers, max_body=settings.max_request_body_bytes
         )
     # Outermost: every request is counted and logged with its ids, whatever answers it.
-    metrics = attach_metrics(proxy, backend)
-    app.add_middleware(HTTPMetrics, metrics=metrics)
+    metrics = TurnstileMetrics(events, proxy, backend)
+    app.add_middleware(HTTPMetrics, events=events)
     app.add_middleware(RequestContext)
     install_error_handlers(app)
-    add_routes(app.router, proxy, settings.max_request_body_bytes, rollout_keys)
+    add_routes(
+        app.router,
+        proxy,
+        settings.max_request_body_bytes,
+        rollout_keys,
+        tito_stats=None if tito is None else tito.stats,
+    )
     add_metrics_route(app, metrics)
     return app
 
@@ -255,7 +283,7 @@ async def _sweep(proxy: Proxy) -> None:
 
 
 async def _drain(proxy: Proxy, timeout_s: float) -> None:
-    proxy.draining = True
+    proxy.start_draining()
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(proxy.idle.wait(), timeout_s)
     if proxy.in_flight:

@@ -2,11 +2,12 @@
 
 Two kinds of metric live here. Events on the request path (HTTP requests, finished
 turns, their tokens, latency and time to first token) are counted as they happen: the
-ASGI middleware `HTTPMetrics` counts every request by route class and status, and the
-proxy calls `observe_turns` once per finished call. Everything that is state rather
-than an event (open rollouts, in-flight calls, the writer's queue, journal lag,
-stitching breaks, recorder health, backend health) is read from the proxy and the
-recorder when Prometheus scrapes, so it costs nothing between scrapes.
+ASGI middleware `HTTPMetrics` counts every request by route class and status, and
+`EventMetrics.observe` is the proxy's `on_turn` observer, called once per finished call.
+Everything that is state rather than an event (open rollouts, in-flight calls, the
+writer's queue, journal lag, stitching breaks, recorder health, backend health) is read
+from the serving state (`ServingState`: the proxy, its recorder and journal) when
+Prometheus scrapes, so it costs nothing between scrapes.
 
 Each app gets its own `CollectorRegistry` (several apps in one process, as in tests, do
 not share counters). With `--workers N` every worker process serves its own numbers;
@@ -18,9 +19,8 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-import weakref
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -36,7 +36,9 @@ from turnstile.records import BreakKind, TurnRecord
 
 if TYPE_CHECKING:
     from turnstile.backends.protocol import Backend
-    from turnstile.proxy.core import Proxy
+    from turnstile.journal.turns import TurnJournal
+    from turnstile.output.recorder import Recorder
+    from turnstile.proxy.rollouts import RolloutRegistry
 
 CONTENT_TYPE: Final[str] = CONTENT_TYPE_LATEST
 METRICS_PATH: Final[str] = "/metrics"
@@ -108,13 +110,35 @@ def route_class(path: str) -> str:
     return "other"
 
 
-class TurnstileMetrics:
-    """The metrics of one app: event counters plus a collector over live state."""
+class ServingState(Protocol):
+    """What a scrape reads: the proxy's live state, its recorder and its journal."""
 
-    def __init__(self, proxy: Proxy, backend: Backend | None = None) -> None:
+    @property
+    def recorder(self) -> Recorder: ...
+
+    @property
+    def registry(self) -> RolloutRegistry: ...
+
+    @property
+    def journal(self) -> TurnJournal: ...
+
+    @property
+    def in_flight(self) -> int: ...
+
+    @property
+    def policy_version(self) -> int: ...
+
+    @property
+    def draining(self) -> bool: ...
+
+    def retention_floor(self) -> int: ...
+
+
+class EventMetrics:
+    """The counters of events on the request path: HTTP requests and finished calls."""
+
+    def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.proxy = proxy
-        self.backend = backend
         r = self.registry
         self.http_requests = Counter(
             "turnstile_http_requests",
@@ -160,10 +184,6 @@ class TurnstileMetrics:
             buckets=TTFT_BUCKETS,
             registry=r,
         )
-        self.backend_up: float | None = None
-        self._probed_at = -BACKEND_PROBE_CACHE_S
-        self._probe_lock = asyncio.Lock()
-        r.register(_StateCollector(self))
 
     def observe(self, records: Sequence[TurnRecord]) -> None:
         """Count one finished call (all its choices share the call's timings)."""
@@ -185,6 +205,21 @@ class TurnstileMetrics:
         if timings.ttft_s is not None:
             self.ttft.labels(endpoint).observe(timings.ttft_s)
 
+
+class TurnstileMetrics:
+    """The metrics of one app: its event counters plus a collector over live state."""
+
+    def __init__(
+        self, events: EventMetrics, state: ServingState, backend: Backend | None = None
+    ) -> None:
+        self.events = events
+        self.state = state
+        self.backend = backend
+        self.backend_up: float | None = None
+        self._probed_at = -BACKEND_PROBE_CACHE_S
+        self._probe_lock = asyncio.Lock()
+        events.registry.register(_StateCollector(self))
+
     async def probe_backend(self) -> None:
         """Refresh `backend_up` from the backend's `/health` (cached between scrapes)."""
         if self.backend is None:
@@ -199,7 +234,7 @@ class TurnstileMetrics:
     async def exposition(self) -> bytes:
         """The text exposition of every metric, after a (cached) backend probe."""
         await self.probe_backend()
-        return generate_latest(self.registry)
+        return generate_latest(self.events.registry)
 
 
 async def _healthy(backend: Backend) -> bool:
@@ -216,7 +251,7 @@ async def _healthy(backend: Backend) -> bool:
 
 
 class _StateCollector(Collector):
-    """Reads gauges and cumulative counters from the proxy and recorder at scrape time."""
+    """Reads gauges and cumulative counters from the serving state at scrape time."""
 
     def __init__(self, metrics: TurnstileMetrics) -> None:
         self._metrics = metrics
@@ -225,8 +260,8 @@ class _StateCollector(Collector):
         return []  # the families are produced at collect time only
 
     def collect(self) -> Iterable[Metric]:
-        proxy = self._metrics.proxy
-        recorder = proxy.recorder
+        state = self._metrics.state
+        recorder = state.recorder
         stats = recorder.stats
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -236,18 +271,18 @@ class _StateCollector(Collector):
             return CounterMetricFamily(name, doc, value=value)
 
         yield gauge(
-            "turnstile_open_rollouts", "Rollouts open (not yet sealed).", proxy.registry.open_count
+            "turnstile_open_rollouts", "Rollouts open (not yet sealed).", state.registry.open_count
         )
         yield gauge(
             "turnstile_open_rollout_bytes",
             "Bytes of turns held by open rollouts.",
-            proxy.registry.held_bytes,
+            state.registry.held_bytes,
         )
-        yield gauge("turnstile_in_flight_calls", "Completion calls in flight.", proxy.in_flight)
+        yield gauge("turnstile_in_flight_calls", "Completion calls in flight.", state.in_flight)
         yield gauge(
-            "turnstile_policy_version", "Policy version of new turns.", proxy.policy_version
+            "turnstile_policy_version", "Policy version of new turns.", state.policy_version
         )
-        yield gauge("turnstile_draining", "1 while shutting down.", float(proxy.draining))
+        yield gauge("turnstile_draining", "1 while shutting down.", float(state.draining))
         yield gauge(
             "turnstile_recorder_queue_depth",
             "Work items queued for the writer thread.",
@@ -291,7 +326,7 @@ class _StateCollector(Collector):
         for kind in sorted({k.value for k in BreakKind if k is not BreakKind.FIRST} | set(counts)):
             breaks.add_metric([kind], counts.get(kind, 0))
         yield breaks
-        yield from _journal_families(proxy)
+        yield from _journal_families(state)
         up = self._metrics.backend_up
         if up is not None:
             yield gauge(
@@ -301,9 +336,9 @@ class _StateCollector(Collector):
             )
 
 
-def _journal_families(proxy: Proxy) -> Iterable[Metric]:
-    journal = proxy.journal
-    if journal is None:
+def _journal_families(state: ServingState) -> Iterable[Metric]:
+    journal = state.journal
+    if not journal.attached:
         return
     segments = journal.segments()
     yield GaugeMetricFamily(
@@ -320,10 +355,10 @@ def _journal_families(proxy: Proxy) -> Iterable[Metric]:
     yield CounterMetricFamily(
         "turnstile_journal_segments_removed",
         "Journal segments removed once published.",
-        value=proxy.journal_segments_removed,
+        value=journal.segments_removed,
     )
     # Frames appended but still needed: by open rollouts or by unpublished writer work.
-    lag = journal.last_seq + 1 - proxy.retention_floor()
+    lag = journal.next_seq - state.retention_floor()
     yield GaugeMetricFamily(
         "turnstile_journal_lag_frames",
         "Journal frames not yet covered by published shards.",
@@ -331,30 +366,12 @@ def _journal_families(proxy: Proxy) -> Iterable[Metric]:
     )
 
 
-# -- wiring ---------------------------------------------------------------------------
-_BY_PROXY: weakref.WeakKeyDictionary[Proxy, TurnstileMetrics] = weakref.WeakKeyDictionary()
-
-
-def attach(proxy: Proxy, backend: Backend | None = None) -> TurnstileMetrics:
-    """Create the metrics of the app around `proxy` (see `observe_turns`)."""
-    metrics = TurnstileMetrics(proxy, backend)
-    _BY_PROXY[proxy] = metrics
-    return metrics
-
-
-def observe_turns(proxy: Proxy, records: Sequence[TurnRecord]) -> None:
-    """Called by the proxy once per finished call; a no-op for a proxy without metrics."""
-    metrics = _BY_PROXY.get(proxy)
-    if metrics is not None:
-        metrics.observe(records)
-
-
 class HTTPMetrics:
     """Pure ASGI middleware: counts every HTTP request by route class and status."""
 
-    def __init__(self, app: ASGIApp, metrics: TurnstileMetrics) -> None:
+    def __init__(self, app: ASGIApp, events: EventMetrics) -> None:
         self.app = app
-        self.metrics = metrics
+        self.events = events
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -371,7 +388,7 @@ class HTTPMetrics:
         try:
             await self.app(scope, receive, send_status)
         finally:
-            self.metrics.http_requests.labels(route_class(scope["path"]), str(status)).inc()
+            self.events.http_requests.labels(route_class(scope["path"]), str(status)).inc()
 
 
 def add_metrics_route(app: Starlette, metrics: TurnstileMetrics) -> None:

@@ -58,7 +58,7 @@ class GracefulServer(uvicorn.Server):
             except RuntimeError:
                 loop = None
             if loop is not None:
-                self._proxy.draining = True
+                self._proxy.start_draining()
                 log.info("draining: %d calls in flight", self._proxy.in_flight)
                 self._drain_task = loop.create_task(self._drain_then_exit(sig, frame))
                 return

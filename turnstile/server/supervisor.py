@@ -24,7 +24,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Final
 
-from turnstile.journal.recovery import JOURNAL_DIR
+from turnstile.journal.rebuild import JOURNAL_DIR
 from turnstile.limits import DRAIN_TIMEOUT_S, WRITER_JOIN_TIMEOUT_S
 from turnstile.server.workers import ENV_INDEX, ENV_RUNDIR
 from turnstile.settings import Settings

@@ -180,7 +180,7 @@ class WorkerRouter:
         if owner != self.index:
             await self._forward(owner, scope, body, receive, send)
         else:
-            await self.app(scope, _replay(body, receive), send)
+            await self.app(scope, _refeed(body, receive), send)
 
     async def _broadcast(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -194,7 +194,7 @@ class WorkerRouter:
         async def hold(message: Message) -> None:
             (started if message["type"] == "http.response.start" else pending).append(message)
 
-        await self.app(scope, _replay(body, receive), hold)
+        await self.app(scope, _refeed(body, receive), hold)
         ok = bool(started) and started[0]["status"] < 300
         if ok:
             headers = {**_forward_headers(scope), _BROADCAST_HEADER: "1"}
@@ -269,7 +269,7 @@ def _forward_headers(scope: Scope) -> dict[str, str]:
     }
 
 
-def _replay(body: bytes, receive: Receive) -> Receive:
+def _refeed(body: bytes, receive: Receive) -> Receive:
     """A `receive` that yields `body` once, then waits on the real one (disconnects)."""
     sent = False
 

@@ -11,10 +11,12 @@ produced.
 * ``render``: the token delta of new messages (``TemplateRenderer``);
 * ``history``: per-rollout token states and whether a request extends one (``match``);
 * ``convert``: chat request -> token-ID completions request, and the answer back;
-* ``engine``: ``TitoEngine``, the request path the proxy calls in TITO mode;
+* ``engine``: ``TitoEngine``, TITO mode's request path and per-rollout token state;
+* ``backend``: ``TitoBackend``, the engine behind the ``Backend`` seam, around the real one;
 * ``setup``: building the engine from settings, with the template audit gate.
 """
 
+from turnstile.tito.backend import TitoBackend
 from turnstile.tito.engine import RewritePolicy, TitoEngine
 from turnstile.tito.gate import TemplateRefused, build_engine
 from turnstile.tito.history import Match, TurnState, match
@@ -27,6 +29,7 @@ __all__ = [
     "RewritePolicy",
     "TemplateRefused",
     "TemplateRenderer",
+    "TitoBackend",
     "TitoEngine",
     "TurnState",
     "build_engine",

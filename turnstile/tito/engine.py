@@ -223,6 +223,8 @@ class _WholeAnswer:
     def __init__(self, resp: BackendResponse, turn: _Turn, answer: ChatAnswer) -> None:
         self._resp, self._turn, self._answer = resp, turn, answer
         self.status = resp.status
+        self.served_by = resp.served_by
+        self.failover_from = resp.failover_from
         self.headers: Mapping[str, str] = {"Content-Type": _JSON}
 
     async def read(self) -> bytes:
@@ -257,6 +259,8 @@ class _StreamAnswer:
     def __init__(self, resp: BackendResponse, turn: _Turn, stream: ChatStream) -> None:
         self._resp, self._turn, self._stream = resp, turn, stream
         self.status = resp.status
+        self.served_by = resp.served_by
+        self.failover_from = resp.failover_from
         self.headers: Mapping[str, str] = {"Content-Type": "text/event-stream"}
 
     async def read(self) -> bytes:

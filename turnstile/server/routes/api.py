@@ -1,10 +1,11 @@
-"""HTTP routes: the OpenAI-compatible surface, the rollout API and admin endpoints.
+"""HTTP routes: the rollout API, admin endpoints and the pass-through to the backend.
 
-Completion routes exist at `/v1/...` and under a rollout prefix
-`/rollouts/{rollout_id}/v1/...`; a rollout may also be named by the
-`X-Turnstile-Rollout` header. Other `/v1/*` paths and the vLLM helpers (`/tokenize`,
-`/detokenize`, `/version`) pass through to the backend. Errors are OpenAI-style bodies
-with the status of the `turnstile.errors` class that was raised.
+The completion routes (`/v1/chat/completions`, `/v1/completions` and their
+`/rollouts/{rollout_id}/` forms) are not here: `turnstile.server.routes.completions`
+serves them in front of FastAPI and lists them in the OpenAPI schema. Other `/v1/*`
+paths and the vLLM helpers (`/tokenize`, `/detokenize`, `/version`) pass through to the
+backend. Errors are OpenAI-style bodies with the status of the `turnstile.errors` class
+that was raised.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
@@ -21,22 +23,19 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Message, Receive, Scope, Send
 
 from turnstile.errors import (
-    BadRequest,
+    MethodNotAllowed,
     NotFound,
     TurnstileError,
     Unprocessable,
 )
 from turnstile.jsontext import json_text
-from turnstile.proxy.capture import CHAT, COMPLETIONS
-from turnstile.proxy.core import Proxy, Relay, StreamRelay
+from turnstile.proxy.core import Proxy, StreamRelay
 from turnstile.proxy.rollouts import check_rollout_id
 from turnstile.server import asgi
 from turnstile.server.auth import RolloutKeys
 
 log = logging.getLogger("turnstile.routes")
 
-ROLLOUT_HEADER = "x-turnstile-rollout"
-POLICY_HEADER = "x-turnstile-policy-version"
 # The vLLM routes outside /v1 that a harness or trainer may call through the proxy.
 PASSTHROUGH_EXTRA = ("/tokenize", "/detokenize", "/version")
 
@@ -106,27 +105,6 @@ async def read_body(request: Request, limit: int) -> bytes:
     return await asgi.read_body(request.receive, request.headers.get("content-length"), limit)
 
 
-def _policy_header(request: Request) -> int | None:
-    value = request.headers.get(POLICY_HEADER)
-    if value is None:
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise BadRequest(f"{POLICY_HEADER} must be an integer, got {value!r}") from None
-
-
-def _respond(result: Relay | StreamRelay) -> Response:
-    if isinstance(result, StreamRelay):
-        return StreamingRelayResponse(result)
-    return Response(
-        result.body,
-        status_code=result.status,
-        media_type=result.content_type,
-        headers=dict(result.headers),
-    )
-
-
 # -- request bodies of the rollout API -------------------------------------------------
 class CreateRollout(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -159,45 +137,21 @@ def _info_text(info: dict[str, Any]) -> dict[str, str | None]:
 
 
 def add_routes(
-    router: APIRouter, proxy: Proxy, max_body: int, rollout_keys: RolloutKeys | None = None
+    router: APIRouter,
+    proxy: Proxy,
+    max_body: int,
+    rollout_keys: RolloutKeys | None = None,
+    tito_stats: Callable[[], dict[str, Any]] | None = None,
 ) -> None:
-    """Add Turnstile's routes to `router` (the app's own, so the route table is flat)."""
+    """Add Turnstile's routes to `router` (the app's own, so the route table is flat).
 
-    async def completion(request: Request, endpoint: str, rollout_id: str | None) -> Response:
-        rid = rollout_id or request.headers.get(ROLLOUT_HEADER)
-        if rid is not None:
-            check_rollout_id(rid)
-        raw = await read_body(request, max_body)
-        result = await proxy.complete(
-            endpoint,
-            raw,
-            rollout_id=rid,
-            policy_version=_policy_header(request),
-            idempotency_key=request.headers.get("idempotency-key"),
-            retry_count=request.headers.get("x-stainless-retry-count"),
-        )
-        return _respond(result)
-
-    @router.post("/v1/chat/completions", tags=["openai"])
-    async def chat(request: Request) -> Response:
-        return await completion(request, CHAT, None)
-
-    @router.post("/v1/completions", tags=["openai"])
-    async def completions(request: Request) -> Response:
-        return await completion(request, COMPLETIONS, None)
-
-    @router.post("/rollouts/{rollout_id}/v1/chat/completions", tags=["openai"])
-    async def rollout_chat(request: Request, rollout_id: str) -> Response:
-        return await completion(request, CHAT, rollout_id)
-
-    @router.post("/rollouts/{rollout_id}/v1/completions", tags=["openai"])
-    async def rollout_completions(request: Request, rollout_id: str) -> Response:
-        return await completion(request, COMPLETIONS, rollout_id)
+    `tito_stats` reports TITO mode's counts in `/stats` (None in record mode).
+    """
 
     @router.get("/health", tags=["admin"])
     async def health() -> Response:
         recorder = proxy.recorder
-        journal_ok = proxy.journal is None or proxy.journal.healthy
+        journal_ok = proxy.journal.healthy
         ok = recorder.healthy and journal_ok and not proxy.draining
         body = {
             "status": "ok" if ok else ("draining" if proxy.draining else "unhealthy"),
@@ -228,8 +182,8 @@ def add_routes(
             "backlog": proxy.recorder.backlog,
             "policy_version": proxy.policy_version,
             "journal": _journal_usage(proxy),
-            "mode": "record" if proxy.tito is None else "tito",
-            "tito": None if proxy.tito is None else proxy.tito.stats(),
+            "mode": "record" if tito_stats is None else "tito",
+            "tito": None if tito_stats is None else tito_stats(),
         }
 
     @router.post("/rollouts", status_code=201, tags=["rollouts"])
@@ -324,10 +278,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(405)
     async def _not_allowed(request: Request, exc: Exception) -> Response:
-        err = TurnstileError(f"method {request.method} not allowed on {request.url.path}")
-        err.status = 405
-        err.error_type = "invalid_request_error"
-        return error_response(err)
+        return error_response(
+            MethodNotAllowed(f"method {request.method} not allowed on {request.url.path}")
+        )
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Response:
@@ -337,9 +290,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
 def _journal_usage(proxy: Proxy) -> dict[str, int]:
     """Segments kept, their bytes, and segments removed once published (this run)."""
-    segments = proxy.journal.segments() if proxy.journal is not None else []
+    segments = proxy.journal.segments()
     return {
         "segments": len(segments),
         "bytes": sum(s.size_bytes for s in segments),
-        "segments_removed": proxy.journal_segments_removed,
+        "segments_removed": proxy.journal.segments_removed,
     }

@@ -1,30 +1,35 @@
-"""The completion routes as a plain ASGI app, in front of FastAPI.
+"""The completion routes: a plain ASGI app in front of FastAPI, their only implementation.
 
 Chat and completions calls are the proxy's hot path: every one of them would otherwise
 cross FastAPI's and Starlette's layers (exception middleware, async exit stacks, route
 matching over the whole table, a `Request` object, dependency resolution), which cost
-more CPU than forwarding the call itself. `CompletionFastPath` answers exactly these
-four routes, the same way and with the same errors as the FastAPI routes declared in
-`turnstile.server.routes.api` (which stay for the OpenAPI schema and as the fallback), and passes
-everything else on. It sits inside the authentication middleware.
+more CPU than forwarding the call itself. `CompletionFastPath` serves exactly these four
+routes, `POST /v1/chat/completions`, `POST /v1/completions` and their
+`/rollouts/{rollout_id}/` forms (a rollout may also be named by the `X-Turnstile-Rollout`
+header), and passes everything else on; other methods on the rollout forms answer 405.
+It sits inside the authentication middleware. FastAPI has no route for them: they
+appear in its OpenAPI schema through `openapi_paths`.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from typing import Final
+from typing import Any, Final
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from turnstile.errors import BadRequest, TurnstileError
+from turnstile.errors import BadRequest, MethodNotAllowed, TurnstileError
 from turnstile.proxy.capture import CHAT, COMPLETIONS
 from turnstile.proxy.core import Proxy, Relay, StreamRelay
 from turnstile.proxy.rollouts import check_rollout_id
 from turnstile.server.asgi import read_body, send_error
-from turnstile.server.routes.api import POLICY_HEADER, ROLLOUT_HEADER, StreamingRelayResponse
+from turnstile.server.routes.api import StreamingRelayResponse
 
 log = logging.getLogger("turnstile.fastpath")
+
+ROLLOUT_HEADER: Final[str] = "x-turnstile-rollout"
+POLICY_HEADER: Final[str] = "x-turnstile-policy-version"
 
 _ROUTE: Final[re.Pattern[str]] = re.compile(
     r"^(?:/rollouts/(?P<rid>[^/]+))?/v1/(?P<ep>chat/completions|completions)$"
@@ -46,9 +51,13 @@ class CompletionFastPath:
         self.max_body = max_body
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        match = None
-        if scope["type"] == "http" and scope["method"] == "POST":
-            match = _ROUTE.match(scope["path"])
+        match = _ROUTE.match(scope["path"]) if scope["type"] == "http" else None
+        if match is not None and scope["method"] != "POST":
+            if match["rid"] is not None:  # a rollout's completion route: POST only
+                message = f"method {scope['method']} not allowed on {scope['path']}"
+                await send_error(send, MethodNotAllowed(message))
+                return
+            match = None  # GET /v1/... passes through to the backend
         if match is None:
             await self.app(scope, receive, send)
             return
@@ -111,3 +120,55 @@ def _policy_version(value: bytes | None) -> int | None:
         return int(value)
     except ValueError:
         raise BadRequest(f"{POLICY_HEADER} must be an integer, got {_text(value)!r}") from None
+
+
+# -- the OpenAPI schema ------------------------------------------------------------------
+_ANY_JSON: Final[dict[str, Any]] = {
+    "description": "Successful Response",
+    "content": {"application/json": {"schema": {}}},
+}
+_ROLLOUT_PARAMETER: Final[dict[str, Any]] = {
+    "name": "rollout_id",
+    "in": "path",
+    "required": True,
+    "schema": {"type": "string", "title": "Rollout Id"},
+}
+_VALIDATION_ERROR: Final[dict[str, Any]] = {
+    "description": "Validation Error",
+    "content": {
+        "application/json": {"schema": {"$ref": "#/components/schemas/HTTPValidationError"}}
+    },
+}
+
+
+def _operation(summary: str, operation_id: str, *, in_rollout: bool) -> dict[str, Any]:
+    operation: dict[str, Any] = {"tags": ["openai"], "summary": summary}
+    operation["operationId"] = operation_id
+    if in_rollout:
+        operation["parameters"] = [_ROLLOUT_PARAMETER]
+        operation["responses"] = {"200": _ANY_JSON, "422": _VALIDATION_ERROR}
+    else:
+        operation["responses"] = {"200": _ANY_JSON}
+    return {"post": operation}
+
+
+def openapi_paths() -> dict[str, dict[str, Any]]:
+    """The OpenAPI path items of the four completion routes `CompletionFastPath` serves."""
+    return {
+        "/v1/chat/completions": _operation(
+            "Chat", "chat_v1_chat_completions_post", in_rollout=False
+        ),
+        "/v1/completions": _operation(
+            "Completions", "completions_v1_completions_post", in_rollout=False
+        ),
+        "/rollouts/{rollout_id}/v1/chat/completions": _operation(
+            "Rollout Chat",
+            "rollout_chat_rollouts__rollout_id__v1_chat_completions_post",
+            in_rollout=True,
+        ),
+        "/rollouts/{rollout_id}/v1/completions": _operation(
+            "Rollout Completions",
+            "rollout_completions_rollouts__rollout_id__v1_completions_post",
+            in_rollout=True,
+        ),
+    }

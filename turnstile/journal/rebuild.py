@@ -1,11 +1,12 @@
-"""Recovery: what a previous run journaled but did not publish, rebuilt at start-up.
+"""Rebuild: what a previous run journaled but did not publish, rebuilt at start-up.
 
 The journal holds every turn and rollout event since the last clean shutdown; the
-shards hold what was published. Recovery replays the journal, compares it with the
-published shards by key (turn id and choice, rollout id and sample index, rollout id)
-and returns exactly what is missing: turns to write, sealed rollouts to stitch again
-(with the samples or the rollout row already published left out), and the rollouts
-that were still open, to be restored. Published rows are never written twice.
+shards hold what was published. `rebuild` reads the journal's frames, compares them
+with the published shards by key (turn id and choice, rollout id and sample index,
+rollout id) and returns exactly what is missing (`Rebuilt`): turns to write, sealed
+rollouts to stitch again (with the samples or the rollout row already published left
+out), and the rollouts that were still open, to be restored. The proxy takes it over
+(`turnstile.proxy.core.Proxy.restore`); published rows are never written twice.
 
 Retention (`turnstile.journal.retention`) removes a rollout's first frame only once the whole
 rollout is published, so a rollout whose creation frame is gone is complete in the
@@ -16,9 +17,9 @@ Everything handed back to the recorder is pinned to the frames it came from.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from turnstile.journal.codec import (
     CodecError,
@@ -34,9 +35,6 @@ from turnstile.proxy.rollouts import Rollout
 from turnstile.reader import open_output
 from turnstile.records import Reward, RolloutStatus, TurnRecord
 
-if TYPE_CHECKING:
-    from turnstile.proxy.core import Proxy
-
 log = logging.getLogger("turnstile.recovery")
 
 # The journal's directory under the output directory (local disk, never object storage).
@@ -44,7 +42,9 @@ JOURNAL_DIR = "journal"
 
 
 @dataclass(slots=True)
-class RecoveredRollout:
+class RebuiltRollout:
+    """One rollout's journaled events, gathered frame by frame."""
+
     rollout_id: str
     first_seq: int
     created: RolloutCreated | None = None
@@ -52,9 +52,29 @@ class RecoveredRollout:
     turns: list[TurnRecord] = field(default_factory=list)
     sealed: RolloutSealed | None = None
 
+    def rollout(self) -> Rollout:
+        """The rollout these events describe, open or sealed as journaled."""
+        created, sealed = self.created, self.sealed
+        return Rollout(
+            self.rollout_id,
+            group_id=created.group_id if created else None,
+            task_id=created.task_id if created else None,
+            metadata=created.metadata if created else None,
+            implicit=created.implicit if created else False,
+            status=sealed.status if sealed else RolloutStatus.OPEN,
+            rewards=dict(self.rewards),
+            turns=sorted(self.turns, key=lambda t: (t.turn_index, t.choice_index)),
+            next_turn_index=max((t.turn_index for t in self.turns), default=-1) + 1,
+            created_at=created.created_at if created else time.time(),
+            sealed_at=sealed.sealed_at if sealed else None,
+            num_turns=len({t.turn_id for t in self.turns}),
+            policy_versions={t.policy_version for t in self.turns},
+            first_seq=self.first_seq,
+        )
+
 
 @dataclass(slots=True)
-class Recovered:
+class Rebuilt:
     """What the journal holds that the shards do not."""
 
     frames: int = 0
@@ -64,10 +84,23 @@ class Recovered:
     unpublished_turns: list[TurnRecord] = field(default_factory=list)
     unpublished_first_seq: int | None = None
     retired_rollouts: int = 0  # published in full, their first frames already removed
-    open_rollouts: list[RecoveredRollout] = field(default_factory=list)
-    sealed_rollouts: list[RecoveredRollout] = field(default_factory=list)
+    open_rollouts: list[RebuiltRollout] = field(default_factory=list)
+    sealed_rollouts: list[RebuiltRollout] = field(default_factory=list)
     published_samples: set[tuple[str, int]] = field(default_factory=set)
     published_rollouts: set[str] = field(default_factory=set)
+
+    def published_samples_of(self, rollout_id: str) -> frozenset[int]:
+        """The sample indices of `rollout_id` already in published shards."""
+        return frozenset(i for rid, i in self.published_samples if rid == rollout_id)
+
+    def summary(self) -> str:
+        """One line for the start-up log."""
+        return (
+            f"recovered {self.frames} journal frames: {len(self.unpublished_turns)} turns "
+            f"republished, {len(self.open_rollouts)} open rollouts restored, "
+            f"{len(self.sealed_rollouts)} sealed rollouts re-stitched, "
+            f"{self.retired_rollouts} already published, {self.undecodable} undecodable frames"
+        )
 
 
 def published_keys(output: Path) -> tuple[set[tuple[str, int]], set[tuple[str, int]], set[str]]:
@@ -95,11 +128,11 @@ def published_keys(output: Path) -> tuple[set[tuple[str, int]], set[tuple[str, i
     return turn_keys, sample_keys, rollout_ids
 
 
-def recover(journal: Journal, output: Path) -> Recovered:
-    """Replay `journal` against the shards under `output`."""
-    result = Recovered()
-    rollouts: dict[str, RecoveredRollout] = {}
-    frames = list(journal.replay())
+def rebuild(journal: Journal, output: Path) -> Rebuilt:
+    """Compare the frames of `journal` with the shards under `output`."""
+    result = Rebuilt()
+    rollouts: dict[str, RebuiltRollout] = {}
+    frames = list(journal.frames())
     if not frames:
         return result
     turn_keys, sample_keys, rollout_ids = published_keys(output)
@@ -118,7 +151,7 @@ def recover(journal: Journal, output: Path) -> Recovered:
             continue
         state = rollouts.get(event.rollout_id)
         if state is None:
-            state = rollouts[event.rollout_id] = RecoveredRollout(event.rollout_id, frame.seq)
+            state = rollouts[event.rollout_id] = RebuiltRollout(event.rollout_id, frame.seq)
         if isinstance(event, TurnRecord):
             key = (event.turn_id, event.choice_index)
             if key in seen_turns:
@@ -144,56 +177,3 @@ def recover(journal: Journal, output: Path) -> Recovered:
         else:
             result.sealed_rollouts.append(state)
     return result
-
-
-def apply_recovery(recovered: Recovered, proxy: Proxy, *, restore_open: bool = True) -> None:
-    """Hand what was missing to the recorder; restore the open rollouts, or seal them."""
-    if not recovered.frames:
-        return
-    if recovered.policy_version is not None:
-        proxy.policy_version, proxy.policy_seq = recovered.policy_version, recovered.policy_seq
-    if recovered.unpublished_turns:
-        proxy.recorder.submit_turns(
-            recovered.unpublished_turns, pin=recovered.unpublished_first_seq
-        )
-    for state in recovered.open_rollouts:
-        proxy.registry.restore(_rollout(state))
-    if not restore_open:
-        proxy.registry.seal_all(RolloutStatus.INTERRUPTED)
-    for state in recovered.sealed_rollouts:
-        rollout = _rollout(state)
-        assert state.sealed is not None
-        rollout.status, rollout.sealed_at = state.sealed.status, state.sealed.sealed_at
-        skip_rollout = state.rollout_id in recovered.published_rollouts
-        skip = frozenset(i for rid, i in recovered.published_samples if rid == state.rollout_id)
-        proxy.hand_over(rollout, skip_samples=skip, skip_rollout=skip_rollout)
-    log.info(
-        "recovered %d journal frames: %d turns republished, %d open rollouts restored, "
-        "%d sealed rollouts re-stitched, %d already published, %d undecodable frames",
-        recovered.frames,
-        len(recovered.unpublished_turns),
-        len(recovered.open_rollouts),
-        len(recovered.sealed_rollouts),
-        recovered.retired_rollouts,
-        recovered.undecodable,
-    )
-
-
-def _rollout(state: RecoveredRollout) -> Rollout:
-    created = state.created
-    rollout = Rollout(
-        state.rollout_id,
-        group_id=created.group_id if created else None,
-        task_id=created.task_id if created else None,
-        metadata=created.metadata if created else None,
-        implicit=created.implicit if created else False,
-    )
-    rollout.first_seq = state.first_seq
-    if created is not None:
-        rollout.created_at = created.created_at
-    rollout.rewards = dict(state.rewards)
-    rollout.turns = sorted(state.turns, key=lambda t: (t.turn_index, t.choice_index))
-    rollout.num_turns = len({t.turn_id for t in state.turns})
-    rollout.next_turn_index = max((t.turn_index for t in state.turns), default=-1) + 1
-    rollout.policy_versions = {t.policy_version for t in state.turns}
-    return rollout
