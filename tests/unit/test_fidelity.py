@@ -43,6 +43,8 @@ class Draw:
 class RandomVLLM:
     """Answers chat completions with the IDs and logprobs of `self.draw`."""
 
+    base_url = "http://random-vllm"
+
     def __init__(self) -> None:
         self.draw: Draw | None = None
 
@@ -54,7 +56,7 @@ class RandomVLLM:
             return FakeResponse(200, json_head, [b'{"object": "list", "data": []}'])
         assert self.draw is not None and body is not None
         d, parsed = self.draw, orjson.loads(body)
-        entries = [
+        entries: list[dict[str, Any]] = [
             {"token": f"token_id:{t}", "logprob": lp, "bytes": None, "top_logprobs": []}
             for t, lp in zip(d.ids, d.logprobs, strict=True)
         ]
@@ -160,7 +162,7 @@ def test_recorded_tokens_and_logprobs_equal_what_the_backend_sent(tmp_path: Path
     sink = InMemorySink()
     app = create_app(
         load_settings(None, {"output": tmp_path / "out"}, environ={}), backend=backend, sink=sink
-    )  # type: ignore[arg-type]
+    )
     with TestClient(app) as client:
 
         @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -19,7 +19,7 @@ def test_no_input_gives_a_server_error(make_app: MakeApp, live: Any) -> None:
     schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
     tried: dict[str, int] = {}
     for result in schema.get_all_operations():
-        _fuzz(result.ok(), tried)
+        _fuzz(result.ok(), tried)  # type: ignore[union-attr]
     assert len(tried) >= 15, sorted(tried)
     assert sum(tried.values()) >= 15 * 10
     print(f"schemathesis: {sum(tried.values())} cases over {len(tried)} operations, no 5xx")

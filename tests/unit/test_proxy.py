@@ -84,7 +84,9 @@ def test_streaming_with_the_openai_client(make_app: MakeApp, live: Any) -> None:
     h = make_app()
     server = live(h.app)
     client = openai.OpenAI(base_url=server.url + "/rollouts/s1/v1", api_key="unused")
-    chunks = list(client.chat.completions.create(model="fake-model", messages=USER, stream=True))  # type: ignore[arg-type]
+    chunks: list[Any] = list(
+        client.chat.completions.create(model="fake-model", messages=USER, stream=True)  # type: ignore[arg-type]
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == "hello"
     for c in chunks:

@@ -9,7 +9,7 @@ from starlette.testclient import TestClient
 
 from tests.fakes_sink import make_turn
 from tests.unit.conftest import MakeApp
-from turnstile.journal.codec import RewardsPosted, RolloutCreated, encode_event
+from turnstile.journal.codec import Event, RewardsPosted, RolloutCreated, encode_event
 from turnstile.journal.wal import FileJournal, list_segments
 from turnstile.records import RolloutStatus
 
@@ -19,7 +19,7 @@ BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 def _crashed_run(output: Path) -> None:
     """What a run killed mid-rollout leaves: a journal, no shards."""
     journal = FileJournal(output / "journal", fsync="always")
-    events = [
+    events: list[Event] = [
         RolloutCreated("r", "g", "t", {"k": 1}, False, 1.0),
         make_turn("r", 0, seed=1, turn_id="call-0"),
         make_turn("r", 1, seed=2, turn_id="call-1"),
