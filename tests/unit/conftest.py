@@ -1,58 +1,21 @@
-"""Fixtures for unit tests: the whole app over the backend and sink seams, with fakes."""
+"""Unit tests run offline: no network but loopback, and nothing built or downloaded.
+
+``make_app`` and ``live`` (the app over fakes, and a live server for it) come from
+``tests/conftest.py``; ``MakeApp`` is re-exported here for the tests that annotate with it.
+"""
 
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from fastapi import FastAPI
 
-from tests.fakes_backend import FakeVLLM, Reply
-from tests.fakes_sink import InMemorySink
-from tests.live import LiveServer
+from tests.conftest import Harness, MakeApp
 from turnstile.dev.cache import NO_BUILD_ENV
-from turnstile.server.app import create_app
-from turnstile.settings import load_settings
 
-
-@dataclass
-class Harness:
-    app: FastAPI
-    backend: FakeVLLM
-    sink: InMemorySink
-
-
-MakeApp = Callable[..., Harness]
-
-
-@pytest.fixture
-def make_app(tmp_path: Path) -> MakeApp:
-    def _make(script: Callable[[dict[str, Any]], Reply] | None = None, **overrides: Any) -> Harness:
-        backend = FakeVLLM(script) if script is not None else FakeVLLM()
-        sink = InMemorySink()
-        settings = load_settings(None, {"output": tmp_path / "out", **overrides}, environ={})
-        return Harness(create_app(settings, backend=backend, sink=sink), backend, sink)
-
-    return _make
-
-
-@pytest.fixture
-def live() -> Iterator[Callable[[FastAPI], LiveServer]]:
-    servers: list[LiveServer] = []
-
-    def _start(app: FastAPI) -> LiveServer:
-        server = LiveServer(app).__enter__()
-        servers.append(server)
-        return server
-
-    yield _start
-    for server in servers:
-        server.__exit__()
-
+__all__ = ["Harness", "MakeApp"]
 
 _LOOPBACK_HOSTS = frozenset({"localhost", "::1", "0.0.0.0", "::"})
 

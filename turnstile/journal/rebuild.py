@@ -35,7 +35,7 @@ from turnstile.proxy.rollouts import Rollout
 from turnstile.reader import open_output
 from turnstile.records import Reward, RolloutStatus, TurnRecord
 
-log = logging.getLogger("turnstile.recovery")
+log = logging.getLogger("turnstile.rebuild")
 
 # The journal's directory under the output directory (local disk, never object storage).
 JOURNAL_DIR = "journal"
@@ -96,7 +96,7 @@ class Rebuilt:
     def summary(self) -> str:
         """One line for the start-up log."""
         return (
-            f"recovered {self.frames} journal frames: {len(self.unpublished_turns)} turns "
+            f"rebuilt from {self.frames} journal frames: {len(self.unpublished_turns)} turns "
             f"republished, {len(self.open_rollouts)} open rollouts restored, "
             f"{len(self.sealed_rollouts)} sealed rollouts re-stitched, "
             f"{self.retired_rollouts} already published, {self.undecodable} undecodable frames"

@@ -155,7 +155,7 @@ class RolloutRegistry:
     def checkpoint(self, rollout: Rollout) -> None:
         """Journal the rollout's whole state again, so its older frames can be removed.
 
-        Replaying a checkpoint is idempotent: recovery keeps one copy of each turn and the
+        Replaying a checkpoint is idempotent: the rebuild keeps one copy of each turn and the
         latest creation, rewards and seal, so old and new frames may coexist.
         """
         if self.on_event is None:
@@ -207,7 +207,7 @@ class RolloutRegistry:
         return rollout
 
     def restore(self, rollout: Rollout) -> None:
-        """Put back an open rollout recovered from the journal."""
+        """Put back an open rollout rebuilt from the journal."""
         rollout.held_bytes = sum(map(turn_bytes, rollout.turns))
         self.held_bytes += rollout.held_bytes
         self._open[rollout.rollout_id] = rollout

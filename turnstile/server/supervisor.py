@@ -4,7 +4,7 @@ Each worker is the same `turnstile serve` command line with `TURNSTILE_WORKER_IN
 and `TURNSTILE_WORKER_RUNDIR` set; it binds the public port with SO_REUSEPORT plus its
 own Unix socket in the run directory (see `turnstile.server.workers`). The supervisor forwards
 SIGTERM/SIGINT to every worker, waits for each to drain and publish, and exits 0 when
-all did. A worker that dies is started again (it recovers its own journal), unless it
+all did. A worker that dies is started again (it rebuilds from its own journal), unless it
 keeps dying right after start. When the worker count differs from the previous run's,
 rollouts left open are sealed as `interrupted` rather than restored, because their
 owners have changed.

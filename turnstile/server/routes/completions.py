@@ -26,7 +26,7 @@ from turnstile.proxy.rollouts import check_rollout_id
 from turnstile.server.asgi import read_body, send_error
 from turnstile.server.routes.api import StreamingRelayResponse
 
-log = logging.getLogger("turnstile.fastpath")
+log = logging.getLogger("turnstile.completions")
 
 ROLLOUT_HEADER: Final[str] = "x-turnstile-rollout"
 POLICY_HEADER: Final[str] = "x-turnstile-policy-version"
