@@ -10,7 +10,8 @@ then dropped. `stop` publishes everything received before returning.
 Journal retention: work may carry a *pin*, the sequence number of the oldest journal
 frame it needs. A pin is held from `submit_*` until every row the work produced is in
 a published shard (`Sink.progress`); `oldest_pin` is what the journal must keep. Work
-that fails keeps its pin for the life of the process, so its frames stay for the rebuild at the next start.
+that fails keeps its pin for the life of the process, so its frames stay for the rebuild
+at the next start.
 """
 
 from __future__ import annotations

@@ -155,7 +155,7 @@ class RolloutRegistry:
     def checkpoint(self, rollout: Rollout) -> None:
         """Journal the rollout's whole state again, so its older frames can be removed.
 
-        Replaying a checkpoint is idempotent: the rebuild keeps one copy of each turn and the
+        Applying a checkpoint again is idempotent: the rebuild keeps one copy of each turn and the
         latest creation, rewards and seal, so old and new frames may coexist.
         """
         if self.on_event is None:
