@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 NAME = "recover"
 HELP = "publish what a crashed run journaled, without serving"
 DESCRIPTION = (
-    "Replay the journal of an output directory into its shards (as "
+    "Rebuild the shards of an output directory from its journal (as "
     "`turnstile serve` does at start-up) and seal rollouts left open as interrupted."
 )
 

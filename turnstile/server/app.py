@@ -213,7 +213,7 @@ def create_app(
                 await asyncio.to_thread(publisher.stop)
             await asyncio.to_thread(wal.close)
             if finished and recorder.error is None:
-                # Everything journaled is published: the next start has nothing to replay.
+                # Everything journaled is published: the next start has nothing to rebuild.
                 for _, segment in list_segments(journal_dir):
                     segment.unlink()
             log.info(
