@@ -6,7 +6,6 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -33,7 +32,6 @@ from turnstile.tito.parsers import (
 from turnstile.tito.parsers.reasoning import ReasoningOutputParser
 from turnstile.tito.parsers.tools import PlainParser
 
-TEMPLATES = Path.home() / ".cache" / "turnstile" / "llama-cpp-assets" / "templates"
 PROPERTY_EXAMPLES = 100
 
 
@@ -561,44 +559,6 @@ def test_parser_for_template_notes_unsupported_formats() -> None:
     broken = parser_for_template("<think>{{ raise_exception('no') }}")
     assert broken.reasoning == "qwen3" and broken.starts_in_reasoning is None
     assert broken.notes
-
-
-REAL_TEMPLATES = [
-    ("Qwen-Qwen3-0.6B", ParserSpec("hermes", "qwen3", False)),
-    ("Qwen-QwQ-32B", ParserSpec("hermes", "qwen3", True)),
-    ("Qwen-Qwen2.5-7B-Instruct", ParserSpec("hermes")),
-    ("NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use", ParserSpec("hermes")),
-    ("NousResearch-Hermes-3-Llama-3.1-8B-tool_use", ParserSpec("hermes")),
-    ("meta-llama-Llama-3.1-8B-Instruct", ParserSpec("llama3_json")),
-    ("meta-llama-Llama-3.2-3B-Instruct", ParserSpec("llama3_json")),
-    ("meta-llama-Llama-3.3-70B-Instruct", ParserSpec("llama3_json")),
-    ("mistralai-Mistral-Nemo-Instruct-2407", ParserSpec("mistral")),
-    ("Mistral-Small-3.2-24B-Instruct-2506", ParserSpec("mistral")),
-    ("unsloth-mistral-Devstral-Small-2507", ParserSpec("mistral")),
-    ("mistralai-Ministral-3-14B-Reasoning-2512", ParserSpec("mistral", "mistral", False)),
-]
-
-
-@pytest.mark.parametrize(("stem", "expected"), REAL_TEMPLATES, ids=[s for s, _ in REAL_TEMPLATES])
-def test_parser_for_real_templates(stem: str, expected: ParserSpec) -> None:
-    if not TEMPLATES.is_dir():
-        pytest.skip(f"vendored chat templates not present at {TEMPLATES} (never downloaded)")
-    path = TEMPLATES / f"{stem}.jinja"
-    if not path.is_file():
-        pytest.skip(f"{path.name} is not among the vendored templates")
-    assert parser_for_template(path.read_text(encoding="utf-8")) == expected
-
-
-@pytest.mark.parametrize(
-    "stem", ["deepseek-ai-DeepSeek-R1-Distill-Qwen-32B", "deepseek-ai-DeepSeek-R1-Distill-Llama-8B"]
-)
-def test_r1_distill_templates_open_reasoning(stem: str) -> None:
-    path = TEMPLATES / f"{stem}.jinja"
-    if not path.is_file():
-        pytest.skip(f"vendored chat template {path} not present (never downloaded)")
-    spec = parser_for_template(path.read_text(encoding="utf-8"))
-    assert (spec.tool, spec.reasoning, spec.starts_in_reasoning) == ("plain", "qwen3", True)
-    assert any("DeepSeek tool calls" in note for note in spec.notes)
 
 
 # --- properties: any split of the text streams to the whole-text parse ----------------
