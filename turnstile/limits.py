@@ -27,6 +27,9 @@ MAX_PASSTHROUGH_BODY_BYTES = 64 * 1024 * 1024
 MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
 # Rollout ids appear in URLs and file rows; keep them short and URL-safe.
 MAX_ROLLOUT_ID_LENGTH = 128
+# Policy versions are int64 columns: anything outside is refused where it enters.
+MIN_POLICY_VERSION = -(2**63)
+MAX_POLICY_VERSION = 2**63 - 1
 
 # --- backend connection pool -----------------------------------------------------------
 # One keep-alive connection per concurrent stream; rollout fleets run hundreds.

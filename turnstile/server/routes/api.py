@@ -18,11 +18,11 @@ from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import JSONResponse, Response
 from starlette.types import Message, Receive, Scope, Send
 
 from turnstile.errors import (
+    Forbidden,
     MethodNotAllowed,
     NotFound,
     TurnstileError,
@@ -32,7 +32,8 @@ from turnstile.jsontext import json_text
 from turnstile.proxy.core import Proxy, StreamRelay
 from turnstile.proxy.rollouts import check_rollout_id
 from turnstile.server import asgi
-from turnstile.server.auth import RolloutKeys
+from turnstile.server.auth import RolloutKeys, may_post_rewards
+from turnstile.server.bodies import CreateRollout, FinishRollout, PolicyVersion, PostRewards
 
 log = logging.getLogger("turnstile.routes")
 
@@ -105,32 +106,6 @@ async def read_body(request: Request, limit: int) -> bytes:
     return await asgi.read_body(request.receive, request.headers.get("content-length"), limit)
 
 
-# -- request bodies of the rollout API -------------------------------------------------
-class CreateRollout(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    rollout_id: str | None = Field(default=None, description="choose the id (default: random)")
-    group_id: str | None = Field(default=None, description="GRPO group this rollout belongs to")
-    task_id: str | None = None
-    metadata: dict[str, Any] | None = None
-
-
-class PostRewards(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    rewards: dict[str, float] = Field(default_factory=dict, description="name -> value")
-    info: dict[str, Any] = Field(
-        default_factory=dict, description="name -> verifier information (text or JSON)"
-    )
-
-
-class FinishRollout(PostRewards):
-    pass
-
-
-class PolicyVersion(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    policy_version: int
-
-
 def _info_text(info: dict[str, Any]) -> dict[str, str | None]:
     """Verifier information as text: strings as given, anything else as JSON."""
     return {k: v if isinstance(v, str) or v is None else json_text(v) for k, v in info.items()}
@@ -148,7 +123,7 @@ def add_routes(
     `tito_stats` reports TITO mode's counts in `/stats` (None in record mode).
     """
 
-    @router.get("/health", tags=["admin"])
+    @router.api_route("/health", methods=["GET", "HEAD"], tags=["admin"])
     async def health() -> Response:
         recorder = proxy.recorder
         journal_ok = proxy.journal.healthy
@@ -213,9 +188,17 @@ def add_routes(
         return rollout.summary()
 
     @router.post("/rollouts/{rollout_id}/finish", tags=["rollouts"])
-    async def finish_rollout(rollout_id: str, body: FinishRollout | None = None) -> Any:
+    async def finish_rollout(
+        request: Request, rollout_id: str, body: FinishRollout | None = None
+    ) -> Any:
         rid = check_rollout_id(rollout_id)
         if body is not None and (body.rewards or body.info):
+            if not may_post_rewards(request.scope):
+                raise Forbidden(
+                    "rewards need the key that may post them (the admin key when one is "
+                    "set); finish without rewards, or post them with that key",
+                    param="rewards",
+                )
             proxy.registry.add_rewards(rid, body.rewards, _info_text(body.info))
         return proxy.registry.finish(rid).summary()
 

@@ -1,0 +1,192 @@
+"""Hostile and careless values are refused where they enter, in the OpenAI error shape, and
+cost nobody else's data: every earlier acknowledged turn is still recorded."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from starlette.testclient import TestClient
+
+from tests.unit.conftest import MakeApp
+from turnstile.server.bodies import first_invalid_text
+
+BODY = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
+POLICY = "X-Turnstile-Policy-Version"
+
+
+def _record_rollouts(client: TestClient, count: int) -> None:
+    for i in range(count):
+        assert client.post(f"/rollouts/good-{i}/v1/chat/completions", json=BODY).status_code == 200
+        assert client.post(f"/rollouts/good-{i}/finish").status_code == 200
+
+
+def _assert_error(resp: Any, status: int, needle: str) -> None:
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert needle.lower() in error["message"].lower()
+    assert error["type"]
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "9223372036854775808",  # 2**63: one past int64
+        "-9223372036854775809",
+        "1" + "0" * 30,  # 10**30: made the journal frame undecodable
+        "+1",
+        " 1",
+        "1_000",
+        "0x10",
+        "1.0",
+        "",
+    ],
+)
+def test_an_out_of_range_policy_header_is_refused_and_costs_nobody_data(
+    make_app: MakeApp, value: str
+) -> None:
+    h = make_app()
+    with TestClient(h.app) as client:
+        _record_rollouts(client, 5)
+        resp = client.post("/rollouts/bad/v1/chat/completions", json=BODY, headers={POLICY: value})
+        _assert_error(resp, 400, POLICY)
+        assert client.get("/health").json()["status"] == "ok"
+        # The refused call reached neither the backend nor the journal.
+        calls = [r for r in h.backend.requests if r[1] == "/v1/chat/completions"]
+        assert len(calls) == 5
+    recorded = {t.rollout_id for t in h.sink.turns}
+    assert recorded == {f"good-{i}" for i in range(5)}
+    assert {r.rollout_id for r in h.sink.rollouts} == recorded
+
+
+@pytest.mark.parametrize("value", ["9223372036854775807", "-9223372036854775808", "0", "7"])
+def test_policy_headers_within_int64_are_recorded(make_app: MakeApp, value: str) -> None:
+    h = make_app()
+    with TestClient(h.app) as client:
+        resp = client.post("/rollouts/r/v1/chat/completions", json=BODY, headers={POLICY: value})
+        assert resp.status_code == 200, resp.text
+    assert [t.policy_version for t in h.sink.turns] == [int(value)]
+
+
+@pytest.mark.parametrize("value", [2**63, -(2**63) - 1, "5", True, 1.5])
+def test_the_admin_policy_version_is_a_strict_int64(make_app: MakeApp, value: Any) -> None:
+    with TestClient(make_app().app) as client:
+        resp = client.post("/admin/policy_version", json={"policy_version": value})
+        _assert_error(resp, 422, "policy_version")
+        assert client.get("/admin/policy_version").json() == {"policy_version": 0}
+
+
+def test_a_rollout_id_with_a_trailing_newline_is_refused(make_app: MakeApp) -> None:
+    h = make_app()
+    with TestClient(h.app) as client:
+        resp = client.post("/rollouts/r1%0A/v1/chat/completions", json=BODY)
+        _assert_error(resp, 400, "invalid rollout id")
+        resp = client.post("/rollouts", json={"rollout_id": "r1\n"})
+        _assert_error(resp, 400, "invalid rollout id")
+        assert client.get("/rollouts/r1%0A").status_code == 400
+    assert [r for r in h.backend.requests if r[0] == "POST"] == [] and h.sink.turns == []
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/rollouts", b'{"group_id": "\\ud800"}'),
+        ("/rollouts", b'{"task_id": "a\\udfffb"}'),
+        ("/rollouts", b'{"metadata": {"k": ["ok", {"deep": "\\ud83d"}]}}'),
+        ("/rollouts", b'{"metadata": {"\\ud800": 1}}'),
+        ("/rollouts/r/rewards", b'{"rewards": {"\\ud800": 1.0}}'),
+        ("/rollouts/r/rewards", b'{"rewards": {"a": 1.0}, "info": {"a": "\\udc00"}}'),
+        ("/rollouts/r/finish", b'{"rewards": {"a": 1.0}, "info": {"a": {"x": "\\ud800"}}}'),
+    ],
+)
+def test_a_lone_surrogate_is_a_422_not_a_500(make_app: MakeApp, path: str, body: bytes) -> None:
+    h = make_app()
+    with TestClient(h.app) as client:
+        assert client.post("/rollouts", json={"rollout_id": "r"}).status_code == 201
+        resp = client.post(path, content=body, headers={"content-type": "application/json"})
+        _assert_error(resp, 422, "valid UTF-8")
+        # The rollout is untouched and can still be rewarded and finished.
+        assert client.get("/rollouts/r").json()["rewards"] == {}
+        assert client.post("/rollouts/r/finish", json={"rewards": {"a": 1.0}}).status_code == 200
+    assert [r.rollout_id for r in h.sink.rollouts] == ["r"]
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b'{"rewards": {"a": NaN}}', b'{"rewards": {"a": Infinity}}', b'{"rewards": {"a": 1e999}}'],
+)
+def test_non_finite_rewards_are_refused(make_app: MakeApp, raw: bytes) -> None:
+    with TestClient(make_app().app) as client:
+        client.post("/rollouts", json={"rollout_id": "r"})
+        resp = client.post(
+            "/rollouts/r/rewards", content=raw, headers={"content-type": "application/json"}
+        )
+        _assert_error(resp, 422, "rewards.a")
+
+
+@pytest.mark.parametrize("value", [True, "1.5", None, [1.0], {"v": 1.0}])
+def test_rewards_are_json_numbers_not_coerced(make_app: MakeApp, value: Any) -> None:
+    with TestClient(make_app().app) as client:
+        client.post("/rollouts", json={"rollout_id": "r"})
+        _assert_error(client.post("/rollouts/r/rewards", json={"rewards": {"a": value}}), 422, "a")
+        _assert_error(client.post("/rollouts/r/finish", json={"rewards": {"a": value}}), 422, "a")
+        assert client.get("/rollouts/r").json()["status"] == "open"
+
+
+def test_integer_rewards_are_numbers(make_app: MakeApp) -> None:
+    with TestClient(make_app().app) as client:
+        client.post("/rollouts", json={"rollout_id": "r"})
+        resp = client.post("/rollouts/r/rewards", json={"rewards": {"a": 1, "b": -0.5}})
+        assert resp.status_code == 200, resp.text
+
+
+def test_head_health_answers_like_get(make_app: MakeApp) -> None:
+    with TestClient(make_app().app) as client:
+        head = client.head("/health")
+        assert head.status_code == 200 and head.content == b""
+        assert client.get("/health").status_code == 200
+
+
+def test_first_invalid_text_names_the_path() -> None:
+    assert first_invalid_text({"a": ["x", {"b": "\ud800"}]}) == ".a[1].b"
+    assert first_invalid_text({"a": ["x", {"b": "ok"}]}) is None
+    assert first_invalid_text("\udfff") == "."
+
+
+KEY, ADMIN = "client-key-123", "admin-key-789"
+
+
+@pytest.mark.parametrize("separate_admin", [True, False])
+def test_a_rollout_key_cannot_grade_its_own_rollout_through_finish(
+    make_app: MakeApp, monkeypatch: pytest.MonkeyPatch, separate_admin: bool
+) -> None:
+    monkeypatch.setenv("TS_KEY", KEY)
+    monkeypatch.setenv("TS_ADMIN", ADMIN)
+    h = make_app(api_key_env=["TS_KEY"], admin_api_key_env="TS_ADMIN" if separate_admin else None)
+    client_auth = {"Authorization": f"Bearer {KEY}"}
+    rewarder = {"Authorization": f"Bearer {ADMIN if separate_admin else KEY}"}
+    with TestClient(h.app) as client:
+        minted = client.post("/rollouts", json={"rollout_id": "own"}, headers=client_auth).json()
+        own = {"Authorization": f"Bearer {minted['api_key']}"}
+        for body in ({"rewards": {"self": 9.0}}, {"info": {"self": "I did great"}}):
+            resp = client.post("/rollouts/own/finish", json=body, headers=own)
+            _assert_error(resp, 403, "rewards need the key")
+        if separate_admin:  # the client key cannot grade either while an admin key is set
+            resp = client.post(
+                "/rollouts/own/finish", json={"rewards": {"x": 1.0}}, headers=client_auth
+            )
+            _assert_error(resp, 403, "rewards need the key")
+        state = client.get("/rollouts/own", headers=client_auth).json()
+        assert state["status"] == "open" and state["rewards"] == {}
+        # finish without rewards stays open to the rollout key; the rewarder's rewards count
+        ok = client.post("/rollouts/own/finish", json={"rewards": {"v": 1.0}}, headers=rewarder)
+        assert ok.status_code == 200 and ok.json()["rewards"]["v"]["value"] == 1.0
+        two = client.post("/rollouts", json={"rollout_id": "t"}, headers=client_auth).json()
+        plain = client.post(
+            "/rollouts/t/finish", headers={"Authorization": f"Bearer {two['api_key']}"}
+        )
+        assert plain.status_code == 200 and plain.json()["status"] == "finished"
+    assert {r.rollout_id: r.status.value for r in h.sink.rollouts} == {
+        "own": "finished",
+        "t": "finished",
+    }
