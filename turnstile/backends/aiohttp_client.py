@@ -43,12 +43,15 @@ class _AiohttpResponse:
         self.served_by: str | None = None  # one backend: no pool member to name
         self.failover_from: str | None = None
 
+    def _total_exceeded(self) -> BackendTimeout:
+        return BackendTimeout(
+            f"backend call exceeded the total timeout of {self._timeouts.total_s:g} s"
+        )
+
     def _budget(self) -> float:
         remaining = self._deadline - time.monotonic()
         if remaining <= 0:
-            raise BackendTimeout(
-                f"backend call exceeded the total timeout of {self._timeouts.total_s:g} s"
-            )
+            raise self._total_exceeded()
         return min(self._timeouts.idle_s, remaining)
 
     async def read(self) -> bytes:
@@ -70,6 +73,8 @@ class _AiohttpResponse:
                 async with asyncio.timeout(budget):
                     chunk = await content.readany()
             except TimeoutError as exc:
+                if budget < self._timeouts.idle_s:  # the total deadline, not the idle one
+                    raise self._total_exceeded() from exc
                 raise BackendTimeout(
                     f"backend sent nothing for {budget:g} s (idle timeout)"
                 ) from exc
@@ -125,6 +130,10 @@ class AiohttpBackend:
     ) -> BackendResponse:
         url = self.base_url + path
         out_headers = dict(headers)
+        # Answers are relayed and decoded as they come (auto_decompress is off): ask for
+        # them uncompressed, unless the caller (a passthrough client) chose an encoding.
+        if not any(name.lower() == "accept-encoding" for name in out_headers):
+            out_headers["Accept-Encoding"] = "identity"
         if self._auth is not None:
             out_headers["Authorization"] = self._auth
         deadline = time.monotonic() + self._timeouts.total_s
