@@ -5,14 +5,20 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import logging
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 from aiohttp import web
+from starlette.testclient import TestClient
 
-from turnstile.backends.aiohttp_client import AiohttpBackend
+from tests.fakes_sink import InMemorySink
+from turnstile.backends.aiohttp_client import AiohttpBackend, redact_url
 from turnstile.backends.protocol import Timeouts
-from turnstile.errors import BackendTimeout
+from turnstile.errors import BackendTimeout, BackendUnreachable
+from turnstile.server.app import create_app
+from turnstile.settings import load_settings
 
 BODY = b'{"choices": []}'
 
@@ -98,3 +104,58 @@ async def test_the_total_timeout_is_reported_as_such(stalling_backend: str) -> N
         resp.close()
     finally:
         await backend.aclose()
+
+
+SECRET = "s3cret-pass"
+
+
+async def test_credentials_in_the_url_are_used_and_never_shown(
+    gzipping_backend: tuple[str, list[str]],
+) -> None:
+    url, _ = gzipping_backend
+    with_credentials = url.replace("http://", f"http://user:{SECRET}@")
+    backend = AiohttpBackend(with_credentials, Timeouts(5, 5, 5, 5), pool_size=1)
+    try:
+        assert SECRET not in backend.base_url and backend.base_url.startswith("http://***@")
+        resp = await backend.request("POST", "/v1/chat/completions", b"{}", {})
+        assert await resp.read() == BODY
+        resp.close()
+    finally:
+        await backend.aclose()
+    port = url.rpartition(":")[2]
+    dead = AiohttpBackend(f"http://user:{SECRET}@127.0.0.1:1", Timeouts(5, 5, 5, 5), pool_size=1)
+    try:
+        with pytest.raises(BackendUnreachable) as caught:
+            await dead.request("POST", "/v1/chat/completions", b"{}", {})
+        assert SECRET not in str(caught.value) and port not in str(caught.value)
+    finally:
+        await dead.aclose()
+
+
+def test_redact_url() -> None:
+    assert redact_url("http://a:b@host:8000/x") == "http://***@host:8000/x"
+    assert redact_url("http://host:8000") == "http://host:8000"
+    assert redact_url("https://tok%40en@h") == "https://***@h"
+
+
+def test_a_dead_backend_with_credentials_leaks_them_nowhere(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    settings = load_settings(
+        None,
+        {"output": tmp_path / "out", "backends": [f"http://user:{SECRET}@127.0.0.1:1"]},
+        environ={},
+    )
+    sink = InMemorySink()
+    with TestClient(create_app(settings, sink=sink)) as client:
+        resp = client.post(
+            "/rollouts/r/v1/chat/completions",
+            json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+        )
+        assert resp.status_code == 502 and SECRET not in resp.text
+        assert "***@127.0.0.1:1" in resp.text
+        assert SECRET not in client.get("/stats").text
+        client.post("/rollouts/r/finish")
+    assert SECRET not in caplog.text
+    assert sink.turns and all(SECRET not in repr(t) for t in sink.turns)
