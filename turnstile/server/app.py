@@ -136,7 +136,7 @@ def create_app(
     identity = {
         "turnstile.version": __version__,
         "turnstile.model": "",
-        "turnstile.backend": settings.backend,
+        "turnstile.backend": redact_url(settings.backend),
         "turnstile.tokenizer": str(settings.tokenizer or ""),
     }
     if sink is None:
