@@ -3,13 +3,21 @@ cost nobody else's data: every earlier acknowledged turn is still recorded."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 from starlette.testclient import TestClient
 
+from tests.fakes_sink import InMemorySink
 from tests.unit.conftest import MakeApp
+from turnstile.backends import fake
+from turnstile.backends.fake import FakeResponse
+from turnstile.server.app import create_app
 from turnstile.server.bodies import first_invalid_text
+from turnstile.settings import load_settings
 
 BODY = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
 POLICY = "X-Turnstile-Policy-Version"
@@ -190,3 +198,114 @@ def test_a_rollout_key_cannot_grade_its_own_rollout_through_finish(
         "own": "finished",
         "t": "finished",
     }
+
+
+# -- values from the backend ---------------------------------------------------------------
+
+
+# JSON as a careless backend may write it: integers past 64 bits, numbers past a double.
+_HUGE = "__huge_number__"
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj).replace(f'"{_HUGE}"', "1e999").encode()
+
+
+class BadValueVLLM:
+    """Answers every chat call with one vLLM-shaped answer whose values a test chose;
+    calls of other rollouts get a good answer."""
+
+    base_url = "http://bad-value-vllm"
+
+    def __init__(self) -> None:
+        self.token_ids: Any = [5, 6]
+        self.prompt_ids: Any = [1, 2, 3]
+        self.index: Any = 0
+        self.logprob: Any = -0.5
+        self.top_token = "token_id:7"
+
+    def _values(self, good: bool) -> tuple[Any, Any, Any, Any, str]:
+        if good:
+            return [5, 6], [1, 2, 3], 0, -0.5, "token_id:7"
+        return self.token_ids, self.prompt_ids, self.index, self.logprob, self.top_token
+
+    async def request(
+        self, method: str, path: str, body: bytes | None, headers: Any
+    ) -> FakeResponse:
+        json_head = {"Content-Type": "application/json"}
+        if path != "/v1/chat/completions" or body is None:
+            return FakeResponse(200, json_head, [b'{"object": "list", "data": []}'])
+        request = orjson.loads(body)
+        good = request["messages"][0]["content"] == "good"
+        ids, prompt, index, lp, top = self._values(good)
+        entries = [fake.logprob_entry(f"token_id:{i}", lp, [(top, lp)]) for i in range(2)]
+        if request.get("stream"):
+            chunks = [
+                fake.chat_role_chunk("c", "m", 1, prompt),
+                fake.chat_token_chunk("c", "m", index, "ab", entries[0], None, "stop"),
+            ]
+            chunks[1]["choices"][0]["token_ids"] = ids
+            events = [b"data: " + _dumps(c) + b"\n\n" for c in chunks] + [b"data: [DONE]\n\n"]
+            return FakeResponse(200, {"Content-Type": "text/event-stream"}, events)
+        choice = fake.chat_choice(index, fake.chat_message("ab"), entries, "stop", ids)
+        answer = fake.chat_completion("c", "m", [choice], fake.usage(3, 2), prompt)
+        return FakeResponse(200, json_head, [_dumps(answer)])
+
+    async def aclose(self) -> None:
+        return None
+
+
+BAD_VALUES: list[tuple[str, Any]] = [
+    ("token_ids", [5, 2**31]),
+    ("token_ids", [5, -1]),
+    ("token_ids", [5, 2**40]),
+    ("token_ids", [5, 2**70]),
+    ("token_ids", ["5", 6]),
+    ("token_ids", [5, None]),
+    ("token_ids", [5, 1.5]),
+    ("token_ids", "56"),
+    ("prompt_ids", [1, 2**31]),
+    ("prompt_ids", [-3]),
+    ("index", 2**40),
+    ("index", -1),
+    ("index", "0"),
+    ("logprob", _HUGE),
+    ("top_token", "token_id:99999999999"),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(("field_name", "value"), BAD_VALUES)
+def test_an_unrecordable_backend_value_is_an_error_turn_and_a_502(
+    tmp_path: Path, stream: bool, field_name: str, value: Any
+) -> None:
+    backend = BadValueVLLM()
+    setattr(backend, field_name, value)
+    sink = InMemorySink()
+    settings = load_settings(None, {"output": tmp_path / "out", "top_logprobs": 1}, environ={})
+    good = {"model": "m", "messages": [{"role": "user", "content": "good"}], "stream": stream}
+    bad = {**good, "messages": [{"role": "user", "content": "bad"}]}
+    with TestClient(create_app(settings, backend=backend, sink=sink)) as client:
+        for i in range(3):
+            assert (
+                client.post(f"/rollouts/ok-{i}/v1/chat/completions", json=good).status_code == 200
+            )
+        resp = client.post("/rollouts/bad/v1/chat/completions", json=bad)
+        if stream:  # the status went out with the first byte: an error event, then [DONE]
+            assert resp.status_code == 200
+            assert '"backend_error"' in resp.text and resp.text.rstrip().endswith("[DONE]")
+        else:
+            _assert_error(resp, 502, "the backend")
+        state = client.get("/rollouts/bad").json()
+        assert state["in_flight"] == 0 and state["num_turns"] == 1
+        assert client.post("/rollouts/bad/finish").status_code == 200
+        for i in range(3):
+            client.post(f"/rollouts/ok-{i}/finish")
+        assert client.get("/health").json()["status"] == "ok"
+    turns = {t.rollout_id: t for t in sink.turns}
+    assert sorted(turns) == ["bad", "ok-0", "ok-1", "ok-2"]
+    assert turns["bad"].status.value == "error"
+    assert turns["bad"].error and "the backend" in turns["bad"].error
+    assert all(turns[f"ok-{i}"].status.value == "ok" for i in range(3))
+    assert list(turns["ok-0"].completion_token_ids) == [5, 6]
+    assert {r.rollout_id for r in sink.rollouts} == set(turns)

@@ -20,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from turnstile.errors import Unprocessable
+from turnstile.errors import BackendValueError, Unprocessable
+from turnstile.limits import MAX_CHOICE_INDEX, MAX_TOKEN_ID
 from turnstile.proxy import sparse
 from turnstile.records import Float32Array, Int32Array
 
@@ -55,6 +56,8 @@ SAMPLING_FIELDS = (
 )
 
 _TOKEN_ID_PREFIX = "token_id:"
+# Digits a "token_id:N" may have: int32 ids have at most 10.
+_MAX_ID_DIGITS = 10
 
 
 @dataclass(slots=True)
@@ -171,15 +174,53 @@ def validate_request(endpoint: str, body: Any) -> dict[str, Any]:
 
 def _token_id(token: Any) -> int | None:
     if isinstance(token, str) and token.startswith(_TOKEN_ID_PREFIX):
-        try:
-            return int(token[len(_TOKEN_ID_PREFIX) :])
-        except ValueError:
+        digits = token[len(_TOKEN_ID_PREFIX) :]
+        if not digits.isascii() or not digits.isdigit():
             return None
+        if len(digits) > _MAX_ID_DIGITS or int(digits) > MAX_TOKEN_ID:
+            raise BackendValueError(
+                f"the backend sent top-logprob token id {digits[:24]}: beyond int32"
+            )
+        return int(digits)
     return None
 
 
 def _float(value: Any) -> float:
-    return float(value) if isinstance(value, int | float) else math.nan
+    """A logprob: a finite number, or NaN where none was given."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return math.nan
+    result = float(value)
+    if math.isinf(result):
+        raise BackendValueError(f"the backend sent a logprob of {result}: not finite")
+    return result
+
+
+def checked_ids(ids: Any, what: str) -> list[int]:
+    """``ids`` when it is a list of token ids within int32 and not negative; else the
+    backend's answer cannot be recorded (`BackendValueError`, a 502)."""
+    if not isinstance(ids, list):
+        raise BackendValueError(f"the backend sent {what} that are not a list")
+    if not ids:
+        return ids
+    array = np.array(ids)  # ints give an integer array; str, None, float or > int64 do not
+    if array.dtype.kind not in "iu" or array.ndim != 1:
+        bad = next((v for v in ids if isinstance(v, bool) or not isinstance(v, int)), ids[0])
+        raise BackendValueError(f"the backend sent {what} with a non-integer value {bad!r:.40}")
+    low, high = int(array.min()), int(array.max())
+    if low < 0 or high > MAX_TOKEN_ID:
+        bad_id = low if low < 0 else high
+        raise BackendValueError(f"the backend sent {what} with token id {bad_id}: outside int32")
+    return ids
+
+
+def _choice_index(index: Any) -> int:
+    if index is None:
+        return 0
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index <= MAX_CHOICE_INDEX:
+        raise BackendValueError(
+            f"the backend sent choice index {index!r:.40}: not an integer in 0..{MAX_CHOICE_INDEX}"
+        )
+    return index
 
 
 @dataclass(slots=True)
@@ -293,12 +334,12 @@ class ChoiceCapture:
 
     def add_common(self, choice: dict[str, Any]) -> None:
         ids = choice.get("token_ids")
-        if isinstance(ids, list):
+        if ids is not None:
+            self.token_ids.extend(checked_ids(ids, "token_ids"))
             self.saw_token_ids = True
-            self.token_ids.extend(ids)
         prompt_ids = choice.get("prompt_token_ids")
-        if isinstance(prompt_ids, list):
-            self.prompt_token_ids = prompt_ids
+        if prompt_ids is not None:
+            self.prompt_token_ids = checked_ids(prompt_ids, "prompt_token_ids")
         if choice.get("finish_reason") is not None:
             self.finish_reason = str(choice["finish_reason"])
         stop = choice.get("stop_reason")
@@ -356,7 +397,7 @@ class ResponseCapture:
         self.usage: dict[str, Any] | None = None
 
     def _choice(self, index: Any) -> ChoiceCapture:
-        idx = index if isinstance(index, int) else 0
+        idx = _choice_index(index)
         cap = self.choices.get(idx)
         if cap is None:
             cap = self.choices[idx] = ChoiceCapture(idx)
@@ -366,8 +407,8 @@ class ResponseCapture:
         """Take the recorded fields from a whole response or from one stream chunk."""
         if isinstance(obj.get("model"), str):
             self.model = obj["model"]
-        if isinstance(obj.get("prompt_token_ids"), list):
-            self.prompt_token_ids = obj["prompt_token_ids"]
+        if obj.get("prompt_token_ids") is not None:
+            self.prompt_token_ids = checked_ids(obj["prompt_token_ids"], "prompt_token_ids")
         if isinstance(obj.get("usage"), dict):
             self.usage = obj["usage"]
         plan = self.plan
@@ -387,7 +428,7 @@ class ResponseCapture:
         if isinstance(body.model, str):
             self.model = body.model
         if body.prompt_token_ids is not None:
-            self.prompt_token_ids = body.prompt_token_ids
+            self.prompt_token_ids = checked_ids(body.prompt_token_ids, "prompt_token_ids")
         if isinstance(body.usage, dict):
             self.usage = body.usage
         chat = self.plan.endpoint == CHAT
@@ -395,10 +436,10 @@ class ResponseCapture:
         for choice in body.choices or ():
             cap = self._choice(choice.index)
             if choice.token_ids is not None:
+                cap.token_ids.extend(checked_ids(choice.token_ids, "token_ids"))
                 cap.saw_token_ids = True
-                cap.token_ids.extend(choice.token_ids)
             if choice.prompt_token_ids is not None:
-                cap.prompt_token_ids = choice.prompt_token_ids
+                cap.prompt_token_ids = checked_ids(choice.prompt_token_ids, "prompt_token_ids")
             if choice.finish_reason is not None:
                 cap.finish_reason = str(choice.finish_reason)
             if choice.stop_reason is not None:

@@ -31,6 +31,7 @@ import orjson
 from turnstile.backends.protocol import ROLLOUT_AFFINITY, Backend, BackendResponse, read_error
 from turnstile.errors import (
     BackendError,
+    BackendValueError,
     BadRequest,
     Overloaded,
     TurnstileError,
@@ -353,21 +354,25 @@ class Proxy:
                 body = sparse.DECODER.decode(raw)
             except sparse.DecodeError:
                 body = None  # unexpected shapes: the full decode below tells what is wrong
-        if body is not None:
-            capture.add_sparse(body)
-        else:
-            try:
-                obj = orjson.loads(raw)
-                if not isinstance(obj, dict):
-                    raise TypeError("response is not a JSON object")
-            except (orjson.JSONDecodeError, TypeError) as exc:
-                err = BackendError(f"the backend's response is not a JSON object: {exc}")
-                self._finish(call, capture, TurnStatus.ERROR, err.message, err.status)
-                raise err from None
-            capture.add(obj, chunk=False)
-            if call.plan.needs_strip:
-                call.plan.strip(obj)
-                raw = orjson.dumps(obj)
+        try:
+            if body is not None:
+                capture.add_sparse(body)
+            else:
+                try:
+                    obj = orjson.loads(raw)
+                    if not isinstance(obj, dict):
+                        raise TypeError("response is not a JSON object")
+                except (orjson.JSONDecodeError, TypeError) as exc:
+                    raise BackendError(
+                        f"the backend's response is not a JSON object: {exc}"
+                    ) from None
+                capture.add(obj, chunk=False)
+        except BackendError as err:  # recorded as an error turn; the client gets a 502
+            self._finish(call, capture, TurnStatus.ERROR, err.message, err.status)
+            raise
+        if body is None and call.plan.needs_strip:
+            call.plan.strip(obj)
+            raw = orjson.dumps(obj)
         content_type = resp.headers.get("Content-Type", _JSON)
         answer = Answer(resp.status, content_type, [raw], call.headers)
         self._finish(call, capture, TurnStatus.OK, None, resp.status, answer)
@@ -381,6 +386,7 @@ class Proxy:
         events = _EventRelay(call, capture)
         kept: list[bytes] | None = [] if call.answer_key is not None else None
         error: str | None = None
+        unrecordable = False  # the backend sent a value no column can hold
         try:
             async for chunk in resp.iter_chunks():
                 piece = events.relay(parser.feed(chunk))
@@ -400,6 +406,7 @@ class Proxy:
                 error = "the backend closed the stream before [DONE]"
         except (BackendError, SSEError) as exc:
             error = str(exc)
+            unrecordable = isinstance(exc, BackendValueError)
         finally:
             resp.close()
             saw_done, stream_error = events.saw_done, events.stream_error
@@ -424,7 +431,8 @@ class Proxy:
             self._finish(call, capture, TurnStatus.ERROR, stream_error, resp.status)
             yield encode_data(DONE)
             return
-        status = TurnStatus.ABORTED if capture.choices else TurnStatus.ERROR
+        cut = capture.choices and not unrecordable
+        status = TurnStatus.ABORTED if cut else TurnStatus.ERROR
         self._finish(call, capture, status, error, 502)
         log.warning(
             "stream of rollout %s turn %d cut: %s",
@@ -593,8 +601,11 @@ class _EventRelay:
                 break
             try:
                 obj = orjson.loads(data)
-            except orjson.JSONDecodeError:
-                obj = None
+            except orjson.JSONDecodeError as exc:
+                # Its tokens could not be recorded: relaying it would break the record.
+                raise BackendValueError(
+                    f"the backend sent a stream event that is not JSON: {exc}"
+                ) from None
             if not isinstance(obj, dict):
                 out.append(event.raw)
                 continue

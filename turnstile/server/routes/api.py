@@ -123,7 +123,7 @@ def add_routes(
     `tito_stats` reports TITO mode's counts in `/stats` (None in record mode).
     """
 
-    @router.api_route("/health", methods=["GET", "HEAD"], tags=["admin"])
+    @router.get("/health", tags=["admin"])
     async def health() -> Response:
         recorder = proxy.recorder
         journal_ok = proxy.journal.healthy
@@ -139,6 +139,9 @@ def add_routes(
             "open_rollouts": proxy.registry.open_count,
         }
         return JSONResponse(body, status_code=200 if ok else 503)
+
+    # Load balancers and `curl -I` probe with HEAD: the same status, no body.
+    router.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)
 
     @router.get("/stats", tags=["admin"])
     async def stats() -> dict[str, Any]:
