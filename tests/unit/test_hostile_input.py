@@ -274,16 +274,27 @@ BAD_VALUES: list[tuple[str, Any]] = [
 ]
 
 
-@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    ("stream", "client_asks"),
+    # client_asks: the client wants ids and logprobs itself, so the answer is relayed as
+    # is and decoded sparsely (turnstile.proxy.sparse); else it is decoded whole.
+    [(False, False), (False, True), (True, False)],
+)
 @pytest.mark.parametrize(("field_name", "value"), BAD_VALUES)
 def test_an_unrecordable_backend_value_is_an_error_turn_and_a_502(
-    tmp_path: Path, stream: bool, field_name: str, value: Any
+    tmp_path: Path, stream: bool, client_asks: bool, field_name: str, value: Any
 ) -> None:
     backend = BadValueVLLM()
     setattr(backend, field_name, value)
     sink = InMemorySink()
     settings = load_settings(None, {"output": tmp_path / "out", "top_logprobs": 1}, environ={})
-    good = {"model": "m", "messages": [{"role": "user", "content": "good"}], "stream": stream}
+    good: dict[str, Any] = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "good"}],
+        "stream": stream,
+    }
+    if client_asks:
+        good |= {"return_token_ids": True, "logprobs": True, "top_logprobs": 1}
     bad = {**good, "messages": [{"role": "user", "content": "bad"}]}
     with TestClient(create_app(settings, backend=backend, sink=sink)) as client:
         for i in range(3):
@@ -291,7 +302,12 @@ def test_an_unrecordable_backend_value_is_an_error_turn_and_a_502(
                 client.post(f"/rollouts/ok-{i}/v1/chat/completions", json=good).status_code == 200
             )
         resp = client.post("/rollouts/bad/v1/chat/completions", json=bad)
-        if stream:  # the status went out with the first byte: an error event, then [DONE]
+        # Top-k alternatives are recorded as ids only when Turnstile asked for them as ids;
+        # a client asking for its own top_logprobs gets them as text, and nothing is parsed.
+        unparsed = client_asks and field_name == "top_token"
+        if unparsed:
+            assert resp.status_code == 200
+        elif stream:  # the status went out with the first byte: an error event, then [DONE]
             assert resp.status_code == 200
             assert '"backend_error"' in resp.text and resp.text.rstrip().endswith("[DONE]")
         else:
@@ -304,8 +320,11 @@ def test_an_unrecordable_backend_value_is_an_error_turn_and_a_502(
         assert client.get("/health").json()["status"] == "ok"
     turns = {t.rollout_id: t for t in sink.turns}
     assert sorted(turns) == ["bad", "ok-0", "ok-1", "ok-2"]
-    assert turns["bad"].status.value == "error"
-    assert turns["bad"].error and "the backend" in turns["bad"].error
+    if unparsed:
+        assert turns["bad"].status.value == "ok" and turns["bad"].top_logprob_ids is None
+    else:
+        assert turns["bad"].status.value == "error"
+        assert turns["bad"].error and "the backend" in turns["bad"].error
     assert all(turns[f"ok-{i}"].status.value == "ok" for i in range(3))
     assert list(turns["ok-0"].completion_token_ids) == [5, 6]
     assert {r.rollout_id for r in sink.rollouts} == set(turns)
