@@ -156,9 +156,59 @@ def test_head_health_answers_like_get(make_app: MakeApp) -> None:
 
 
 def test_first_invalid_text_names_the_path() -> None:
-    assert first_invalid_text({"a": ["x", {"b": "\ud800"}]}) == ".a[1].b"
+    assert first_invalid_text({"a": ["x", {"b": "\ud800"}]}) == (
+        ".a[1].b: text must be valid UTF-8 (no lone surrogates)"
+    )
     assert first_invalid_text({"a": ["x", {"b": "ok"}]}) is None
-    assert first_invalid_text("\udfff") == "."
+    assert first_invalid_text("\udfff") == ".: text must be valid UTF-8 (no lone surrogates)"
+    assert "nested deeper than 255 levels" in (first_invalid_text(_nested(300)) or "")
+    assert first_invalid_text(_nested(200)) is None
+
+
+def _nested(depth: int) -> Any:
+    value: Any = "leaf"
+    for _ in range(depth):
+        value = {"k": [value]} if depth % 2 else [value]
+    return value
+
+
+@pytest.mark.parametrize("depth", [256, 300, 500, 1000])
+@pytest.mark.parametrize("where", ["tools", "content", "metadata"])
+def test_json_too_deep_to_record_is_a_422_and_the_rollout_stays_usable(
+    make_app: MakeApp, depth: int, where: str
+) -> None:
+    h = make_app()
+    deep = "__deep__"  # spliced in as text: the stdlib cannot write JSON this deep
+    nested = "[" * depth + '"leaf"' + "]" * depth
+    with TestClient(h.app) as client:
+        assert client.post("/rollouts", json={"rollout_id": "r"}).status_code == 201
+        if where == "metadata":
+            raw = json.dumps({"rollout_id": "r2", "metadata": {"k": deep}})
+            raw = raw.replace('"__deep__"', nested)
+            resp = client.post(
+                "/rollouts", content=raw, headers={"content-type": "application/json"}
+            )
+        else:
+            body: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+            if where == "tools":
+                function = {"name": "f", "parameters": {"type": "object", "x": deep}}
+                body["tools"] = [{"type": "function", "function": function}]
+            else:
+                body["messages"] = [{"role": "user", "content": [{"type": "text", "text": deep}]}]
+            raw = json.dumps(body).replace('"__deep__"', nested)
+            resp = client.post(
+                "/rollouts/r/v1/chat/completions",
+                content=raw,
+                headers={"content-type": "application/json"},
+            )
+        assert resp.status_code in (400, 422), resp.text
+        assert resp.json()["error"]["message"]
+        state = client.get("/rollouts/r").json()
+        assert state["in_flight"] == 0 and state["num_turns"] == 0
+        ok = client.post("/rollouts/r/v1/chat/completions", json=BODY)
+        assert ok.status_code == 200
+        assert client.post("/rollouts/r/finish").status_code == 200
+    assert [t.rollout_id for t in h.sink.turns] == ["r"]
 
 
 KEY, ADMIN = "client-key-123", "admin-key-789"

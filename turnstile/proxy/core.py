@@ -35,13 +35,14 @@ from turnstile.errors import (
     BadRequest,
     Overloaded,
     TurnstileError,
+    Unprocessable,
 )
 from turnstile.journal.codec import PolicyVersionSet
 from turnstile.journal.rebuild import Rebuilt
 from turnstile.journal.turns import TurnJournal
 from turnstile.journal.wal import JournalError
 from turnstile.jsontext import json_text
-from turnstile.limits import MAX_OPEN_ROLLOUT_BYTES, MAX_ROLLOUT_BYTES
+from turnstile.limits import MAX_JSON_DEPTH, MAX_OPEN_ROLLOUT_BYTES, MAX_ROLLOUT_BYTES
 from turnstile.output.recorder import Recorder, SealJob
 from turnstile.output.stitch import RolloutInfo
 from turnstile.proxy import sparse
@@ -287,9 +288,16 @@ class Proxy:
         if self._draining:
             raise Overloaded("Turnstile is shutting down", retry_after_s=5)
         self.recorder.admit()
-        rollout, turn_index = self.registry.begin_turn(rollout_id)
         request = dict(body)  # the client's request, before the recording fields are added
         plan = plan_request(endpoint, body, self.top_logprobs)
+        try:  # what the backend gets; also proves the request can be recorded as JSON
+            payload = orjson.dumps(body)
+        except orjson.JSONEncodeError as exc:
+            raise Unprocessable(
+                f"the request cannot be recorded: {exc} (JSON nested deeper than "
+                f"{MAX_JSON_DEPTH} levels)"
+            ) from None
+        rollout, turn_index = self.registry.begin_turn(rollout_id)
         call = _Call(
             turn_id=uuid.uuid4().hex,
             endpoint=endpoint,
@@ -312,7 +320,7 @@ class Proxy:
             affinity = ROLLOUT_AFFINITY.set(rollout.rollout_id)  # a pool routes on it
             try:
                 resp = await self.backend.request(
-                    "POST", PATHS[endpoint], orjson.dumps(body), {"Content-Type": _JSON}
+                    "POST", PATHS[endpoint], payload, {"Content-Type": _JSON}
                 )
             finally:
                 ROLLOUT_AFFINITY.reset(affinity)

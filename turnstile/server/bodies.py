@@ -1,8 +1,8 @@
 """The rollout API's request bodies, checked where they enter, before any value can reach
 a column: strict, finite numbers; policy versions within int64; text that is valid UTF-8
 (a lone surrogate, which JSON can spell as ``"\\ud800"``, cannot be written to Parquet or the
-journal). A body that fails is a 422 in the OpenAI error shape (see
-``turnstile.server.routes.api``)."""
+journal) and JSON no deeper than orjson writes. A body that fails is a 422 in the OpenAI
+error shape (see ``turnstile.server.routes.api``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from turnstile.limits import MAX_POLICY_VERSION, MIN_POLICY_VERSION
+from turnstile.limits import MAX_JSON_DEPTH, MAX_POLICY_VERSION, MIN_POLICY_VERSION
 
 __all__ = [
     "CreateRollout",
@@ -22,20 +22,18 @@ __all__ = [
 
 # A reward is a finite number given as a JSON number: not `true`, not "1.5", not NaN.
 RewardValue = Annotated[float, Field(strict=True, allow_inf_nan=False)]
-# How deep `first_invalid_text` looks into nested metadata and verifier info; JSON parsing
-# bounds the depth before this does.
-MAX_TEXT_CHECK_DEPTH = 1024
 
 
 def first_invalid_text(value: Any, path: str = "", depth: int = 0) -> str | None:
-    """The path of the first string (or key) in ``value`` that is not valid UTF-8, or None."""
-    if depth > MAX_TEXT_CHECK_DEPTH:
-        return path or "."
+    """Why ``value`` cannot be recorded as JSON text, naming where: a string (or key) that
+    is not valid UTF-8, or nesting deeper than orjson writes; None when it can."""
+    if depth > MAX_JSON_DEPTH:
+        return f"{path or '.'}: nested deeper than {MAX_JSON_DEPTH} levels"
     if isinstance(value, str):
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
-            return path or "."
+            return f"{path or '.'}: text must be valid UTF-8 (no lone surrogates)"
         return None
     if isinstance(value, dict):
         for key, item in value.items():
@@ -61,7 +59,7 @@ class _Body(BaseModel):
     def _valid_text(self) -> _Body:
         found = first_invalid_text(self.model_dump())
         if found is not None:
-            raise ValueError(f"{found.lstrip('.')}: text must be valid UTF-8 (no lone surrogates)")
+            raise ValueError(found.lstrip("."))
         return self
 
 

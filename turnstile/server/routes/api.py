@@ -18,10 +18,12 @@ from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.types import Message, Receive, Scope, Send
 
 from turnstile.errors import (
+    BadRequest,
     Forbidden,
     MethodNotAllowed,
     NotFound,
@@ -257,6 +259,11 @@ def install_error_handlers(app: FastAPI) -> None:
             f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors()
         )
         return error_response(Unprocessable(f"invalid request: {problems}"))
+
+    @app.exception_handler(400)
+    async def _bad_request(request: Request, exc: StarletteHTTPException) -> Response:
+        # FastAPI's own: a body it could not parse (e.g. JSON nested past its parser).
+        return error_response(BadRequest(f"invalid request: {exc.detail}"))
 
     @app.exception_handler(404)
     async def _not_found(request: Request, exc: Exception) -> Response:
