@@ -4,6 +4,7 @@ cost nobody else's data: every earlier acknowledged turn is still recorded."""
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -378,3 +379,94 @@ def test_an_unrecordable_backend_value_is_an_error_turn_and_a_502(
     assert all(turns[f"ok-{i}"].status.value == "ok" for i in range(3))
     assert list(turns["ok-0"].completion_token_ids) == [5, 6]
     assert {r.rollout_id for r in sink.rollouts} == set(turns)
+
+
+# -- routes: passthrough stays under /v1/, completions are recorded or refused ----------------
+
+
+def _raw_request(port: int, method: str, target: str, body: bytes = b"", auth: str = "") -> int:
+    """Send `target` byte for byte (an HTTP client would normalise it); return the status."""
+    head = f"{method} {target} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+    if auth:
+        head += f"Authorization: Bearer {auth}\r\n"
+    head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(head.encode() + body)
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    return int(reply.split(b" ", 2)[1])
+
+
+ESCAPES = [
+    ("POST", "/v1/../admin/policy_version", b'{"policy_version": 7}'),
+    ("POST", "/v1/%2e%2e/admin/policy_version", b'{"policy_version": 7}'),
+    ("POST", "/v1/%2E%2E/sleep", b"{}"),
+    ("GET", "/v1/..%2F..%2Fetc%2Fpasswd", b""),
+    ("GET", "/v1/models/..", b""),
+    ("GET", "/v1//models", b""),
+    ("GET", "/v1/a%5c..%5cb", b""),
+]
+MISSPELT = [
+    "/v1/chat/completions/",
+    "/v1/x/../chat/completions",
+    "/v1/chat/./completions",
+    "/v1//chat/completions",
+    "/v1/completions/",
+    "/v1/chat%2Fcompletions",
+]
+
+
+@pytest.mark.parametrize(("method", "target", "body"), ESCAPES)
+def test_passthrough_never_leaves_v1(
+    make_app: MakeApp, live: Any, method: str, target: str, body: bytes
+) -> None:
+    h = make_app()
+    server = live(h.app)
+    assert _raw_request(server.port, method, target, body) in (400, 404)
+    forwarded = [path for _, path, _, _ in h.backend.requests if path != "/v1/models"]
+    assert forwarded == []
+    assert _raw_request(server.port, "GET", "/v1/models") == 200  # the plain path still works
+
+
+@pytest.mark.parametrize("target", MISSPELT)
+def test_a_completion_route_in_another_spelling_is_never_generated_unrecorded(
+    make_app: MakeApp, live: Any, target: str
+) -> None:
+    h = make_app()
+    server = live(h.app)
+    status = _raw_request(server.port, "POST", target, orjson.dumps(BODY))
+    generated = [r for r in h.backend.requests if r[1].endswith("completions")]
+    if generated:  # the backend answered: then the turn must be recorded
+        assert status == 200
+        server_turns = len(h.sink.turns) + len(h.sink.pending_turns)
+        assert server_turns == len(generated)
+    else:
+        assert status in (400, 404)
+
+
+def test_a_rollout_key_opens_no_passthrough(
+    make_app: MakeApp, live: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TS_KEY", KEY)
+    h = make_app(api_key_env=["TS_KEY"])
+    with TestClient(h.app) as client:
+        minted = client.post(
+            "/rollouts", json={"rollout_id": "own"}, headers={"Authorization": f"Bearer {KEY}"}
+        ).json()
+        own = {"Authorization": f"Bearer {minted['api_key']}", "X-Turnstile-Rollout": "own"}
+        for method, path in [
+            ("GET", "/v1/models"),
+            ("POST", "/v1/load_lora_adapter"),
+            ("POST", "/v1/embeddings"),
+            ("GET", "/rollouts/own/v1/models"),
+            ("POST", "/tokenize"),
+        ]:
+            resp = client.request(method, path, headers=own, json={})
+            assert resp.status_code in (403, 404), (method, path, resp.status_code)
+        # what it is for still works
+        assert client.post("/rollouts/own/v1/chat/completions", json=BODY, headers=own).is_success
+        assert client.post("/v1/chat/completions", json=BODY, headers=own).is_success
+        assert client.get("/rollouts/own", headers=own).json()["num_turns"] == 2
+    posts = [path for method, path, _, _ in h.backend.requests if method == "POST"]
+    assert posts == ["/v1/chat/completions", "/v1/chat/completions"]

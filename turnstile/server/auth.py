@@ -38,7 +38,12 @@ ADMIN_PATH = re.compile(r"^/admin(/|$)|^/rollouts/[^/]+/rewards$")
 
 
 ROLLOUT_KEY_PREFIX = b"tsr_"
-_ROLLOUT_PATH = re.compile(r"^/rollouts/(?P<id>[^/]+)(?:/v1/.*|/finish)?$")
+# What a rollout key opens: its rollout's completion routes, its state and its finish
+# (matched whole: `$` would also match before a trailing newline).
+_ROLLOUT_PATH = re.compile(
+    r"/rollouts/(?P<id>[^/]+)(?:/v1/(?:chat/completions|completions)|/finish)?"
+)
+_ROLLOUT_HEADER_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 _ROLLOUT_HEADER = b"x-turnstile-rollout"
 _FINISH_PATH = re.compile(r"^/rollouts/[^/]+/finish$")
 
@@ -68,10 +73,10 @@ class RolloutKeys:
 
 
 def _rollout_allows(scope: Scope, rollout_id: str) -> bool:
-    match = _ROLLOUT_PATH.match(scope["path"])
+    match = _ROLLOUT_PATH.fullmatch(scope["path"])
     if match is not None:
         return match["id"] == rollout_id
-    if scope["path"].startswith("/v1/"):
+    if scope["path"] in _ROLLOUT_HEADER_PATHS:
         for name, value in scope.get("headers", ()):
             if name == _ROLLOUT_HEADER:
                 return bool(value.decode("latin-1") == rollout_id)

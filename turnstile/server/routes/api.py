@@ -218,8 +218,8 @@ def add_routes(
         return {"policy_version": proxy.policy_version}
 
     async def passthrough(request: Request) -> Response:
+        path = passthrough_path(request.scope)
         body = await read_body(request, max_body) if request.method != "GET" else None
-        path = request.url.path
         if request.url.query:
             path += "?" + request.url.query
         result = await proxy.passthrough(
@@ -242,6 +242,36 @@ def add_routes(
                 operation_id=f"passthrough_{slug}_{method.lower()}",
                 summary=f"{method} passed through to the backend",
             )
+
+
+# The completion routes: recorded by `turnstile.server.routes.completions` exactly as
+# spelled here, so no other spelling of them may reach the backend unrecorded.
+_COMPLETION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+# Percent-encodings that would let a path escape `/v1/` once the backend decodes it.
+_ENCODED_ESCAPES = (b"%2f", b"%5c", b"%2e")
+
+
+def passthrough_path(scope: Scope) -> str:
+    """The path to forward, refused (400, or 404 for a completion route misspelt) unless it
+    is plain: no dot segments, no empty segments, no encoded slash, backslash or dot. The
+    backend (and the HTTP client's URL handling) would resolve those to another route than
+    the one Turnstile matched, e.g. `/v1/../admin/...`."""
+    path: str = scope["path"]
+    raw = bytes(scope.get("raw_path") or path.encode("utf-8")).partition(b"?")[0].lower()
+    if any(escape in raw for escape in _ENCODED_ESCAPES) or "\\" in path:
+        raise BadRequest(f"{path!r:.200}: encoded slashes, backslashes or dots are not forwarded")
+    segments = path.split("/")[1:]
+    if any(segment in ("", ".", "..") for segment in segments[:-1]) or segments[-1] in (
+        ".",
+        "..",
+    ):
+        raise BadRequest(f"{path!r:.200}: dot segments and empty segments are not forwarded")
+    if path.rstrip("/") in _COMPLETION_PATHS:
+        raise NotFound(
+            f"no route {path!r:.200}: completions are served (and recorded) at "
+            f"{path.rstrip('/')} exactly"
+        )
+    return path
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -55,7 +55,7 @@ class CompletionFastPath:
         self.max_body = max_body
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        match = _ROUTE.match(scope["path"]) if scope["type"] == "http" else None
+        match = _ROUTE.fullmatch(scope["path"]) if scope["type"] == "http" else None
         if match is not None and scope["method"] != "POST":
             if match["rid"] is not None:  # a rollout's completion route: POST only
                 message = f"method {scope['method']} not allowed on {scope['path']}"
