@@ -120,6 +120,12 @@ class BackendError(TurnstileError):
     error_type = "backend_error"
 
 
+class BackendValueError(BackendError):
+    """The backend answered with a value that cannot be recorded (a token id outside
+    int32, a choice index out of bounds, a non-finite logprob): the turn is recorded as an
+    error and the client gets a 502."""
+
+
 class BackendUnreachable(BackendError):
     status = 502
 

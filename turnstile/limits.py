@@ -27,6 +27,16 @@ MAX_PASSTHROUGH_BODY_BYTES = 64 * 1024 * 1024
 MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
 # Rollout ids appear in URLs and file rows; keep them short and URL-safe.
 MAX_ROLLOUT_ID_LENGTH = 128
+# Token ids are int32 columns and never negative; a backend id outside is refused.
+MAX_TOKEN_ID = 2**31 - 1
+# Choice indices: far above any real `n`, and the bound keeps one call's choices finite.
+MAX_CHOICE_INDEX = 16383
+# orjson writes JSON nested at most this deep; a request deeper cannot be recorded (its
+# messages and tools are JSON columns), so it is refused with 422 before it is forwarded.
+MAX_JSON_DEPTH = 255
+# Policy versions are int64 columns: anything outside is refused where it enters.
+MIN_POLICY_VERSION = -(2**63)
+MAX_POLICY_VERSION = 2**63 - 1
 
 # --- backend connection pool -----------------------------------------------------------
 # One keep-alive connection per concurrent stream; rollout fleets run hundreds.

@@ -3,13 +3,17 @@
 aiohttp is used rather than httpx because it costs a fraction of the CPU per request for
 this relay job and does not degrade as the pool grows (see the benchmark notes in
 docs/). Every aiohttp and socket exception is translated here into the `turnstile.errors`
-hierarchy; the four limits are `turnstile.backends.protocol.Timeouts`.
+hierarchy; the four limits are `turnstile.backends.protocol.Timeouts`. A backend URL may
+carry credentials (`http://user:password@host`): they are used for the requests only, and
+`base_url`, which names the backend in errors, logs, `/stats` and the `backend` column, has
+them redacted (`redact_url`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+import urllib.parse
 from collections.abc import AsyncIterator, Mapping
 
 import aiohttp
@@ -21,6 +25,25 @@ from turnstile.limits import MAX_PASSTHROUGH_BODY_BYTES
 # Read granularity for streamed bodies: large enough to take a burst of SSE events in
 # one read, small enough not to delay a single event.
 READ_CHUNK_BYTES = 64 * 1024
+
+
+def _credentials(url: str) -> tuple[str, ...]:
+    """What of the URL's credentials must not be shown: the whole user-info part and the
+    password, raw and percent-decoded, longest first (the user name alone is no secret)."""
+    parts = urllib.parse.urlsplit(url)
+    userinfo = parts.netloc.rpartition("@")[0]
+    found = {v for v in (userinfo, parts.password) if v}
+    found |= {urllib.parse.unquote(v) for v in found}
+    return tuple(sorted(found, key=len, reverse=True))
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its credentials replaced by ``***`` (``http://***@host:8000``)."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"***@{host}"))
 
 
 class _AiohttpResponse:
@@ -43,12 +66,15 @@ class _AiohttpResponse:
         self.served_by: str | None = None  # one backend: no pool member to name
         self.failover_from: str | None = None
 
+    def _total_exceeded(self) -> BackendTimeout:
+        return BackendTimeout(
+            f"backend call exceeded the total timeout of {self._timeouts.total_s:g} s"
+        )
+
     def _budget(self) -> float:
         remaining = self._deadline - time.monotonic()
         if remaining <= 0:
-            raise BackendTimeout(
-                f"backend call exceeded the total timeout of {self._timeouts.total_s:g} s"
-            )
+            raise self._total_exceeded()
         return min(self._timeouts.idle_s, remaining)
 
     async def read(self) -> bytes:
@@ -70,6 +96,8 @@ class _AiohttpResponse:
                 async with asyncio.timeout(budget):
                     chunk = await content.readany()
             except TimeoutError as exc:
+                if budget < self._timeouts.idle_s:  # the total deadline, not the idle one
+                    raise self._total_exceeded() from exc
                 raise BackendTimeout(
                     f"backend sent nothing for {budget:g} s (idle timeout)"
                 ) from exc
@@ -95,7 +123,9 @@ class AiohttpBackend:
         api_key: str | None = None,
         unix_socket: str | None = None,
     ) -> None:
-        self.base_url = base_url.rstrip("/")
+        self._url = base_url.rstrip("/")  # with its credentials, for requests only
+        self.base_url = redact_url(self._url)
+        self._secrets = _credentials(self._url)
         self._unix_socket = unix_socket  # a local peer (another worker), not TCP
         self._timeouts = timeouts
         self._pool_size = pool_size
@@ -123,8 +153,12 @@ class AiohttpBackend:
     async def request(
         self, method: str, path: str, body: bytes | None, headers: Mapping[str, str]
     ) -> BackendResponse:
-        url = self.base_url + path
+        url = self._url + path
         out_headers = dict(headers)
+        # Answers are relayed and decoded as they come (auto_decompress is off): ask for
+        # them uncompressed, unless the caller (a passthrough client) chose an encoding.
+        if not any(name.lower() == "accept-encoding" for name in out_headers):
+            out_headers["Accept-Encoding"] = "identity"
         if self._auth is not None:
             out_headers["Authorization"] = self._auth
         deadline = time.monotonic() + self._timeouts.total_s
@@ -142,8 +176,15 @@ class AiohttpBackend:
                 f"backend {self.base_url} is unreachable: {exc.os_error}"
             ) from exc
         except (aiohttp.ClientError, OSError) as exc:
-            raise BackendUnreachable(f"backend {self.base_url} failed: {exc!r}") from exc
+            detail = self._scrub(repr(exc))
+            raise BackendUnreachable(f"backend {self.base_url} failed: {detail}") from None
         return _AiohttpResponse(resp, self._timeouts, deadline)
+
+    def _scrub(self, text: str) -> str:
+        """``text`` (an exception's repr, which may quote the URL) without the credentials."""
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
 
     async def aclose(self) -> None:
         if self._session is not None:

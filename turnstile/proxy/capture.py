@@ -14,13 +14,15 @@ and `token_ids`, and `logprobs.{tokens, token_logprobs, top_logprobs}`.
 
 from __future__ import annotations
 
+import array
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
-from turnstile.errors import Unprocessable
+from turnstile.errors import BackendValueError, Unprocessable
+from turnstile.limits import MAX_CHOICE_INDEX, MAX_TOKEN_ID
 from turnstile.proxy import sparse
 from turnstile.records import Float32Array, Int32Array
 
@@ -55,6 +57,14 @@ SAMPLING_FIELDS = (
 )
 
 _TOKEN_ID_PREFIX = "token_id:"
+# The array type code of a C unsigned 32-bit int (``I`` where it is 4 bytes, as on every
+# platform Turnstile runs on; ``L`` otherwise).
+_UINT32 = "I" if array.array("I").itemsize == 4 else "L"
+# Up to this many ids are checked one by one; longer lists (whole answers, prompts) with
+# numpy, which costs a few microseconds to start but little per id.
+_SMALL_ID_LIST = 16
+# Digits a "token_id:N" may have: int32 ids have at most 10.
+_MAX_ID_DIGITS = 10
 
 
 @dataclass(slots=True)
@@ -171,15 +181,73 @@ def validate_request(endpoint: str, body: Any) -> dict[str, Any]:
 
 def _token_id(token: Any) -> int | None:
     if isinstance(token, str) and token.startswith(_TOKEN_ID_PREFIX):
-        try:
-            return int(token[len(_TOKEN_ID_PREFIX) :])
-        except ValueError:
+        digits = token[len(_TOKEN_ID_PREFIX) :]
+        if not digits.isascii() or not digits.isdigit():
             return None
+        if len(digits) > _MAX_ID_DIGITS or int(digits) > MAX_TOKEN_ID:
+            raise BackendValueError(
+                f"the backend sent top-logprob token id {digits[:24]}: beyond int32"
+            )
+        return int(digits)
     return None
 
 
 def _float(value: Any) -> float:
-    return float(value) if isinstance(value, int | float) else math.nan
+    """A logprob: a finite number, or NaN where none was given."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return math.nan
+    result = float(value)
+    if math.isinf(result):
+        raise BackendValueError(f"the backend sent a logprob of {result}: not finite")
+    return result
+
+
+def checked_ids(ids: Any, what: str) -> list[int]:
+    """``ids`` when it is a list of token ids within int32 and not negative; else the
+    backend's answer cannot be recorded (`BackendValueError`, a 502).
+
+    On the hot path: a stream's one id per event is checked in a plain loop; a whole
+    answer's hundreds of ids are packed into a C array of unsigned 32-bit ints, which
+    refuses anything but integers in 0..2**32-1, and one numpy pass finds any above int32.
+    """
+    if not isinstance(ids, list):
+        raise BackendValueError(f"the backend sent {what} that are not a list")
+    if len(ids) <= _SMALL_ID_LIST:
+        for value in ids:
+            if type(value) is not int or not 0 <= value <= MAX_TOKEN_ID:
+                _refuse_ids(ids, what)
+        return ids
+    try:
+        packed = array.array(_UINT32, ids)
+    except (TypeError, OverflowError):
+        _refuse_ids(ids, what)
+    if np.frombuffer(packed, dtype=np.int32).min() < 0:  # at least one id above int32
+        _refuse_ids(ids, what)
+    return ids
+
+
+def _refuse_ids(ids: list[Any], what: str) -> NoReturn:
+    """Raise naming the first id of ``ids`` that is not an int32 token id."""
+    for value in ids:
+        if type(value) is not int:
+            raise BackendValueError(
+                f"the backend sent {what} with a non-integer value {value!r:.40}"
+            )
+        if not 0 <= value <= MAX_TOKEN_ID:
+            raise BackendValueError(
+                f"the backend sent {what} with token id {value}: outside 0..{MAX_TOKEN_ID}"
+            )
+    raise AssertionError("no bad id found")  # pragma: no cover - callers found one
+
+
+def _choice_index(index: Any) -> int:
+    if index is None:
+        return 0
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index <= MAX_CHOICE_INDEX:
+        raise BackendValueError(
+            f"the backend sent choice index {index!r:.40}: not an integer in 0..{MAX_CHOICE_INDEX}"
+        )
+    return index
 
 
 @dataclass(slots=True)
@@ -293,12 +361,12 @@ class ChoiceCapture:
 
     def add_common(self, choice: dict[str, Any]) -> None:
         ids = choice.get("token_ids")
-        if isinstance(ids, list):
+        if ids is not None:
+            self.token_ids.extend(checked_ids(ids, "token_ids"))
             self.saw_token_ids = True
-            self.token_ids.extend(ids)
         prompt_ids = choice.get("prompt_token_ids")
-        if isinstance(prompt_ids, list):
-            self.prompt_token_ids = prompt_ids
+        if prompt_ids is not None:
+            self.prompt_token_ids = checked_ids(prompt_ids, "prompt_token_ids")
         if choice.get("finish_reason") is not None:
             self.finish_reason = str(choice["finish_reason"])
         stop = choice.get("stop_reason")
@@ -356,7 +424,7 @@ class ResponseCapture:
         self.usage: dict[str, Any] | None = None
 
     def _choice(self, index: Any) -> ChoiceCapture:
-        idx = index if isinstance(index, int) else 0
+        idx = _choice_index(index)
         cap = self.choices.get(idx)
         if cap is None:
             cap = self.choices[idx] = ChoiceCapture(idx)
@@ -366,8 +434,8 @@ class ResponseCapture:
         """Take the recorded fields from a whole response or from one stream chunk."""
         if isinstance(obj.get("model"), str):
             self.model = obj["model"]
-        if isinstance(obj.get("prompt_token_ids"), list):
-            self.prompt_token_ids = obj["prompt_token_ids"]
+        if obj.get("prompt_token_ids") is not None:
+            self.prompt_token_ids = checked_ids(obj["prompt_token_ids"], "prompt_token_ids")
         if isinstance(obj.get("usage"), dict):
             self.usage = obj["usage"]
         plan = self.plan
@@ -386,7 +454,7 @@ class ResponseCapture:
         """`add` for a whole response decoded by `turnstile.proxy.sparse`."""
         if isinstance(body.model, str):
             self.model = body.model
-        if body.prompt_token_ids is not None:
+        if body.prompt_token_ids is not None:  # bounded by the sparse decoder
             self.prompt_token_ids = body.prompt_token_ids
         if isinstance(body.usage, dict):
             self.usage = body.usage
@@ -395,8 +463,8 @@ class ResponseCapture:
         for choice in body.choices or ():
             cap = self._choice(choice.index)
             if choice.token_ids is not None:
-                cap.saw_token_ids = True
                 cap.token_ids.extend(choice.token_ids)
+                cap.saw_token_ids = True
             if choice.prompt_token_ids is not None:
                 cap.prompt_token_ids = choice.prompt_token_ids
             if choice.finish_reason is not None:

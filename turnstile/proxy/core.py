@@ -31,16 +31,18 @@ import orjson
 from turnstile.backends.protocol import ROLLOUT_AFFINITY, Backend, BackendResponse, read_error
 from turnstile.errors import (
     BackendError,
+    BackendValueError,
     BadRequest,
     Overloaded,
     TurnstileError,
+    Unprocessable,
 )
 from turnstile.journal.codec import PolicyVersionSet
 from turnstile.journal.rebuild import Rebuilt
 from turnstile.journal.turns import TurnJournal
 from turnstile.journal.wal import JournalError
 from turnstile.jsontext import json_text
-from turnstile.limits import MAX_OPEN_ROLLOUT_BYTES, MAX_ROLLOUT_BYTES
+from turnstile.limits import MAX_JSON_DEPTH, MAX_OPEN_ROLLOUT_BYTES, MAX_ROLLOUT_BYTES
 from turnstile.output.recorder import Recorder, SealJob
 from turnstile.output.stitch import RolloutInfo
 from turnstile.proxy import sparse
@@ -286,9 +288,16 @@ class Proxy:
         if self._draining:
             raise Overloaded("Turnstile is shutting down", retry_after_s=5)
         self.recorder.admit()
-        rollout, turn_index = self.registry.begin_turn(rollout_id)
         request = dict(body)  # the client's request, before the recording fields are added
         plan = plan_request(endpoint, body, self.top_logprobs)
+        try:  # what the backend gets; also proves the request can be recorded as JSON
+            payload = orjson.dumps(body)
+        except orjson.JSONEncodeError as exc:
+            raise Unprocessable(
+                f"the request cannot be recorded: {exc} (JSON nested deeper than "
+                f"{MAX_JSON_DEPTH} levels)"
+            ) from None
+        rollout, turn_index = self.registry.begin_turn(rollout_id)
         call = _Call(
             turn_id=uuid.uuid4().hex,
             endpoint=endpoint,
@@ -311,7 +320,7 @@ class Proxy:
             affinity = ROLLOUT_AFFINITY.set(rollout.rollout_id)  # a pool routes on it
             try:
                 resp = await self.backend.request(
-                    "POST", PATHS[endpoint], orjson.dumps(body), {"Content-Type": _JSON}
+                    "POST", PATHS[endpoint], payload, {"Content-Type": _JSON}
                 )
             finally:
                 ROLLOUT_AFFINITY.reset(affinity)
@@ -353,21 +362,25 @@ class Proxy:
                 body = sparse.DECODER.decode(raw)
             except sparse.DecodeError:
                 body = None  # unexpected shapes: the full decode below tells what is wrong
-        if body is not None:
-            capture.add_sparse(body)
-        else:
-            try:
-                obj = orjson.loads(raw)
-                if not isinstance(obj, dict):
-                    raise TypeError("response is not a JSON object")
-            except (orjson.JSONDecodeError, TypeError) as exc:
-                err = BackendError(f"the backend's response is not a JSON object: {exc}")
-                self._finish(call, capture, TurnStatus.ERROR, err.message, err.status)
-                raise err from None
-            capture.add(obj, chunk=False)
-            if call.plan.needs_strip:
-                call.plan.strip(obj)
-                raw = orjson.dumps(obj)
+        try:
+            if body is not None:
+                capture.add_sparse(body)
+            else:
+                try:
+                    obj = orjson.loads(raw)
+                    if not isinstance(obj, dict):
+                        raise TypeError("response is not a JSON object")
+                except (orjson.JSONDecodeError, TypeError) as exc:
+                    raise BackendError(
+                        f"the backend's response is not a JSON object: {exc}"
+                    ) from None
+                capture.add(obj, chunk=False)
+        except BackendError as err:  # recorded as an error turn; the client gets a 502
+            self._finish(call, capture, TurnStatus.ERROR, err.message, err.status)
+            raise
+        if body is None and call.plan.needs_strip:
+            call.plan.strip(obj)
+            raw = orjson.dumps(obj)
         content_type = resp.headers.get("Content-Type", _JSON)
         answer = Answer(resp.status, content_type, [raw], call.headers)
         self._finish(call, capture, TurnStatus.OK, None, resp.status, answer)
@@ -381,6 +394,7 @@ class Proxy:
         events = _EventRelay(call, capture)
         kept: list[bytes] | None = [] if call.answer_key is not None else None
         error: str | None = None
+        unrecordable = False  # the backend sent a value no column can hold
         try:
             async for chunk in resp.iter_chunks():
                 piece = events.relay(parser.feed(chunk))
@@ -400,6 +414,7 @@ class Proxy:
                 error = "the backend closed the stream before [DONE]"
         except (BackendError, SSEError) as exc:
             error = str(exc)
+            unrecordable = isinstance(exc, BackendValueError)
         finally:
             resp.close()
             saw_done, stream_error = events.saw_done, events.stream_error
@@ -424,7 +439,8 @@ class Proxy:
             self._finish(call, capture, TurnStatus.ERROR, stream_error, resp.status)
             yield encode_data(DONE)
             return
-        status = TurnStatus.ABORTED if capture.choices else TurnStatus.ERROR
+        cut = capture.choices and not unrecordable
+        status = TurnStatus.ABORTED if cut else TurnStatus.ERROR
         self._finish(call, capture, status, error, 502)
         log.warning(
             "stream of rollout %s turn %d cut: %s",
@@ -593,8 +609,11 @@ class _EventRelay:
                 break
             try:
                 obj = orjson.loads(data)
-            except orjson.JSONDecodeError:
-                obj = None
+            except orjson.JSONDecodeError as exc:
+                # Its tokens could not be recorded: relaying it would break the record.
+                raise BackendValueError(
+                    f"the backend sent a stream event that is not JSON: {exc}"
+                ) from None
             if not isinstance(obj, dict):
                 out.append(event.raw)
                 continue

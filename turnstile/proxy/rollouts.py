@@ -25,7 +25,8 @@ from turnstile.records import Reward, RolloutStatus, TurnRecord
 # enough for the last few minutes of a busy fleet, and a bounded ~10-20 MB of memory.
 MAX_SEALED_REMEMBERED = 10_000
 
-_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
+# Matched whole (fullmatch): `$` would also match before a trailing newline.
+_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]*")
 
 
 def turn_bytes(record: TurnRecord) -> int:
@@ -54,7 +55,7 @@ def _random_id() -> str:
 
 
 def check_rollout_id(rollout_id: str) -> str:
-    if len(rollout_id) > MAX_ROLLOUT_ID_LENGTH or not _ID_RE.match(rollout_id):
+    if len(rollout_id) > MAX_ROLLOUT_ID_LENGTH or not _ID_RE.fullmatch(rollout_id):
         raise BadRequest(
             f"invalid rollout id {rollout_id[:MAX_ROLLOUT_ID_LENGTH]!r}: use up to "
             f"{MAX_ROLLOUT_ID_LENGTH} characters of letters, digits and . _ : -",

@@ -7,14 +7,22 @@ non-streaming call. These msgspec types name only what `turnstile.proxy.capture`
 msgspec skips everything else without building objects for it. The client still gets
 the backend's bytes unchanged. A body that does not fit these types (a backend that
 writes something unexpected) raises `msgspec.DecodeError` (or its subclass
-`ValidationError`), and the caller falls back to a full decode.
+`ValidationError`), and the caller falls back to a full decode. Token ids and choice
+indices are bounded here as they are decoded (in C, at no cost to a good answer): one out
+of range makes the body not fit, and the full decode's checks
+(`turnstile.proxy.capture.checked_ids`) name it.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
+
+from turnstile.limits import MAX_CHOICE_INDEX, MAX_TOKEN_ID
+
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
+ChoiceIndex = Annotated[int, msgspec.Meta(ge=0, le=MAX_CHOICE_INDEX)]
 
 
 class TopEntry(msgspec.Struct):
@@ -34,19 +42,19 @@ class Logprobs(msgspec.Struct):
 
 
 class Choice(msgspec.Struct):
-    index: Any = 0
+    index: ChoiceIndex = 0
     message: Any = None
     text: Any = None
     finish_reason: Any = None
     stop_reason: Any = None
-    token_ids: list[int] | None = None
-    prompt_token_ids: list[int] | None = None
+    token_ids: list[TokenId] | None = None
+    prompt_token_ids: list[TokenId] | None = None
     logprobs: Logprobs | None = None
 
 
 class Body(msgspec.Struct):
     model: Any = None
-    prompt_token_ids: list[int] | None = None
+    prompt_token_ids: list[TokenId] | None = None
     usage: Any = None
     choices: list[Choice] | None = None
 

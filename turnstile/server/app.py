@@ -23,6 +23,7 @@ import orjson
 from fastapi import FastAPI
 
 from turnstile import __version__
+from turnstile.backends.aiohttp_client import redact_url
 from turnstile.backends.factory import build_backend
 from turnstile.backends.pool import BackendPool
 from turnstile.backends.protocol import Backend, Timeouts
@@ -135,7 +136,7 @@ def create_app(
     identity = {
         "turnstile.version": __version__,
         "turnstile.model": "",
-        "turnstile.backend": settings.backend,
+        "turnstile.backend": redact_url(settings.backend),
         "turnstile.tokenizer": str(settings.tokenizer or ""),
     }
     if sink is None:
@@ -193,7 +194,7 @@ def create_app(
         log.info(
             "turnstile %s recording %s -> %s (model: %s)",
             __version__,
-            settings.backend,
+            redact_url(settings.backend),
             settings.output,
             model or "unknown",
         )

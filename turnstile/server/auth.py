@@ -12,8 +12,12 @@ only (`tsr_<rollout id>.<HMAC-SHA256>`), for harnesses and sandboxes that should
 hold the client key. It opens the rollout's own routes (`/rollouts/{id}`, its
 `/rollouts/{id}/v1/...` and `/finish`, and `/v1/...` with `X-Turnstile-Rollout: {id}`)
 and nothing else: another rollout, rewards and admin routes get 403, so a policy
-cannot write into another rollout or grade itself. The MAC key is derived from the
-client keys, so rollout keys stay valid across restarts and die when the keys rotate.
+cannot write into another rollout or grade itself. `/finish` with rewards in its body
+needs the key that may post rewards (the admin key when one is set, else the client
+key): the middleware records in the request's state whether the caller holds it
+(`may_post_rewards`), and the finish route refuses rewards otherwise. The MAC key is
+derived from the client keys, so rollout keys stay valid across restarts and die when the
+keys rotate.
 """
 
 from __future__ import annotations
@@ -34,8 +38,14 @@ ADMIN_PATH = re.compile(r"^/admin(/|$)|^/rollouts/[^/]+/rewards$")
 
 
 ROLLOUT_KEY_PREFIX = b"tsr_"
-_ROLLOUT_PATH = re.compile(r"^/rollouts/(?P<id>[^/]+)(?:/v1/.*|/finish)?$")
+# What a rollout key opens: its rollout's completion routes, its state and its finish
+# (matched whole: `$` would also match before a trailing newline).
+_ROLLOUT_PATH = re.compile(
+    r"/rollouts/(?P<id>[^/]+)(?:/v1/(?:chat/completions|completions)|/finish)?"
+)
+_ROLLOUT_HEADER_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 _ROLLOUT_HEADER = b"x-turnstile-rollout"
+_FINISH_PATH = re.compile(r"^/rollouts/[^/]+/finish$")
 
 
 class RolloutKeys:
@@ -63,10 +73,10 @@ class RolloutKeys:
 
 
 def _rollout_allows(scope: Scope, rollout_id: str) -> bool:
-    match = _ROLLOUT_PATH.match(scope["path"])
+    match = _ROLLOUT_PATH.fullmatch(scope["path"])
     if match is not None:
         return match["id"] == rollout_id
-    if scope["path"].startswith("/v1/"):
+    if scope["path"] in _ROLLOUT_HEADER_PATHS:
         for name, value in scope.get("headers", ()):
             if name == _ROLLOUT_HEADER:
                 return bool(value.decode("latin-1") == rollout_id)
@@ -94,6 +104,20 @@ def _bearer(scope: Scope) -> bytes | None:
     return None
 
 
+# The request-state key the middleware sets: whether this caller may post rewards.
+MAY_POST_REWARDS = "turnstile.may_post_rewards"
+
+
+def may_post_rewards(scope: Scope) -> bool:
+    """Whether the request's caller holds the key that may post rewards (set by
+    `AuthMiddleware`; an app without it has no keys, so anyone may)."""
+    return bool(scope.get("state", {}).get(MAY_POST_REWARDS, True))
+
+
+def _with_reward_right(scope: Scope, allowed: bool) -> Scope:
+    return {**scope, "state": {**scope.get("state", {}), MAY_POST_REWARDS: allowed}}
+
+
 class AuthMiddleware:
     """Refuses requests without a valid key with an OpenAI-style 401."""
 
@@ -116,12 +140,20 @@ class AuthMiddleware:
             return
         admin_route = bool(self.admin_keys) and ADMIN_PATH.match(scope["path"]) is not None
         keys = self.admin_keys if admin_route else self.client_keys
-        if not keys:
-            await self.app(scope, receive, send)
-            return
         token = _bearer(scope)
+        # Rewards (the reward route, or rewards in `/finish`) need the admin key when one
+        # is set; without one, whoever may use the route may.
+        admin = bool(self.admin_keys) and token is not None and _matches(token, self.admin_keys)
+        rewarder = admin or not self.admin_keys
+        if not keys:
+            await self.app(_with_reward_right(scope, rewarder), receive, send)
+            return
         if token is not None and _matches(token, keys):
-            await self.app(scope, receive, send)
+            await self.app(_with_reward_right(scope, rewarder), receive, send)
+            return
+        if admin and _FINISH_PATH.match(scope["path"]) is not None:
+            # `/finish` also takes the admin key, which may finish a rollout with rewards.
+            await self.app(_with_reward_right(scope, True), receive, send)
             return
         rollout = None
         if token is not None and self.rollout_keys is not None:
@@ -131,7 +163,7 @@ class AuthMiddleware:
             what = "admin API key" if admin_route else "API key"
             err = Unauthorized(f"missing or invalid {what}")
         elif ADMIN_PATH.match(scope["path"]) is None and _rollout_allows(scope, rollout):
-            await self.app(scope, receive, send)
+            await self.app(_with_reward_right(scope, False), receive, send)
             return
         else:
             err = Forbidden("this key belongs to one rollout and cannot be used here")

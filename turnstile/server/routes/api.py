@@ -18,11 +18,13 @@ from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.types import Message, Receive, Scope, Send
 
 from turnstile.errors import (
+    BadRequest,
+    Forbidden,
     MethodNotAllowed,
     NotFound,
     TurnstileError,
@@ -32,7 +34,8 @@ from turnstile.jsontext import json_text
 from turnstile.proxy.core import Proxy, StreamRelay
 from turnstile.proxy.rollouts import check_rollout_id
 from turnstile.server import asgi
-from turnstile.server.auth import RolloutKeys
+from turnstile.server.auth import RolloutKeys, may_post_rewards
+from turnstile.server.bodies import CreateRollout, FinishRollout, PolicyVersion, PostRewards
 
 log = logging.getLogger("turnstile.routes")
 
@@ -105,32 +108,6 @@ async def read_body(request: Request, limit: int) -> bytes:
     return await asgi.read_body(request.receive, request.headers.get("content-length"), limit)
 
 
-# -- request bodies of the rollout API -------------------------------------------------
-class CreateRollout(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    rollout_id: str | None = Field(default=None, description="choose the id (default: random)")
-    group_id: str | None = Field(default=None, description="GRPO group this rollout belongs to")
-    task_id: str | None = None
-    metadata: dict[str, Any] | None = None
-
-
-class PostRewards(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    rewards: dict[str, float] = Field(default_factory=dict, description="name -> value")
-    info: dict[str, Any] = Field(
-        default_factory=dict, description="name -> verifier information (text or JSON)"
-    )
-
-
-class FinishRollout(PostRewards):
-    pass
-
-
-class PolicyVersion(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    policy_version: int
-
-
 def _info_text(info: dict[str, Any]) -> dict[str, str | None]:
     """Verifier information as text: strings as given, anything else as JSON."""
     return {k: v if isinstance(v, str) or v is None else json_text(v) for k, v in info.items()}
@@ -164,6 +141,9 @@ def add_routes(
             "open_rollouts": proxy.registry.open_count,
         }
         return JSONResponse(body, status_code=200 if ok else 503)
+
+    # Load balancers and `curl -I` probe with HEAD: the same status, no body.
+    router.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)
 
     @router.get("/stats", tags=["admin"])
     async def stats() -> dict[str, Any]:
@@ -213,9 +193,17 @@ def add_routes(
         return rollout.summary()
 
     @router.post("/rollouts/{rollout_id}/finish", tags=["rollouts"])
-    async def finish_rollout(rollout_id: str, body: FinishRollout | None = None) -> Any:
+    async def finish_rollout(
+        request: Request, rollout_id: str, body: FinishRollout | None = None
+    ) -> Any:
         rid = check_rollout_id(rollout_id)
         if body is not None and (body.rewards or body.info):
+            if not may_post_rewards(request.scope):
+                raise Forbidden(
+                    "rewards need the key that may post them (the admin key when one is "
+                    "set); finish without rewards, or post them with that key",
+                    param="rewards",
+                )
             proxy.registry.add_rewards(rid, body.rewards, _info_text(body.info))
         return proxy.registry.finish(rid).summary()
 
@@ -230,8 +218,8 @@ def add_routes(
         return {"policy_version": proxy.policy_version}
 
     async def passthrough(request: Request) -> Response:
+        path = passthrough_path(request.scope)
         body = await read_body(request, max_body) if request.method != "GET" else None
-        path = request.url.path
         if request.url.query:
             path += "?" + request.url.query
         result = await proxy.passthrough(
@@ -256,6 +244,36 @@ def add_routes(
             )
 
 
+# The completion routes: recorded by `turnstile.server.routes.completions` exactly as
+# spelled here, so no other spelling of them may reach the backend unrecorded.
+_COMPLETION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+# Percent-encodings that would let a path escape `/v1/` once the backend decodes it.
+_ENCODED_ESCAPES = (b"%2f", b"%5c", b"%2e")
+
+
+def passthrough_path(scope: Scope) -> str:
+    """The path to forward, refused (400, or 404 for a completion route misspelt) unless it
+    is plain: no dot segments, no empty segments, no encoded slash, backslash or dot. The
+    backend (and the HTTP client's URL handling) would resolve those to another route than
+    the one Turnstile matched, e.g. `/v1/../admin/...`."""
+    path: str = scope["path"]
+    raw = bytes(scope.get("raw_path") or path.encode("utf-8")).partition(b"?")[0].lower()
+    if any(escape in raw for escape in _ENCODED_ESCAPES) or "\\" in path:
+        raise BadRequest(f"{path!r:.200}: encoded slashes, backslashes or dots are not forwarded")
+    segments = path.split("/")[1:]
+    if any(segment in ("", ".", "..") for segment in segments[:-1]) or segments[-1] in (
+        ".",
+        "..",
+    ):
+        raise BadRequest(f"{path!r:.200}: dot segments and empty segments are not forwarded")
+    if path.rstrip("/") in _COMPLETION_PATHS:
+        raise NotFound(
+            f"no route {path!r:.200}: completions are served (and recorded) at "
+            f"{path.rstrip('/')} exactly"
+        )
+    return path
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(TurnstileError)
     async def _turnstile_error(request: Request, exc: TurnstileError) -> Response:
@@ -271,6 +289,11 @@ def install_error_handlers(app: FastAPI) -> None:
             f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors()
         )
         return error_response(Unprocessable(f"invalid request: {problems}"))
+
+    @app.exception_handler(400)
+    async def _bad_request(request: Request, exc: StarletteHTTPException) -> Response:
+        # FastAPI's own: a body it could not parse (e.g. JSON nested past its parser).
+        return error_response(BadRequest(f"invalid request: {exc.detail}"))
 
     @app.exception_handler(404)
     async def _not_found(request: Request, exc: Exception) -> Response:

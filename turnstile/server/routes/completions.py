@@ -20,6 +20,7 @@ from typing import Any, Final
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from turnstile.errors import BadRequest, MethodNotAllowed, TurnstileError
+from turnstile.limits import MAX_POLICY_VERSION, MIN_POLICY_VERSION
 from turnstile.proxy.capture import CHAT, COMPLETIONS
 from turnstile.proxy.core import Proxy, Relay, StreamRelay
 from turnstile.proxy.rollouts import check_rollout_id
@@ -40,6 +41,9 @@ _POLICY: Final[bytes] = POLICY_HEADER.encode()
 _IDEMPOTENCY: Final[bytes] = b"idempotency-key"
 _RETRY: Final[bytes] = b"x-stainless-retry-count"
 _LENGTH: Final[bytes] = b"content-length"
+# int() would also take "+1", " 1 " and "1_000"; a header is plain digits. 20 digits bound
+# the work before the int64 check.
+_INTEGER: Final[re.Pattern[bytes]] = re.compile(rb"-?[0-9]{1,20}")
 
 
 class CompletionFastPath:
@@ -51,7 +55,7 @@ class CompletionFastPath:
         self.max_body = max_body
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        match = _ROUTE.match(scope["path"]) if scope["type"] == "http" else None
+        match = _ROUTE.fullmatch(scope["path"]) if scope["type"] == "http" else None
         if match is not None and scope["method"] != "POST":
             if match["rid"] is not None:  # a rollout's completion route: POST only
                 message = f"method {scope['method']} not allowed on {scope['path']}"
@@ -114,12 +118,22 @@ def _text(value: bytes | None) -> str | None:
 
 
 def _policy_version(value: bytes | None) -> int | None:
+    """The header's policy version: a plain decimal integer within int64, else 400."""
     if value is None:
         return None
-    try:
-        return int(value)
-    except ValueError:
-        raise BadRequest(f"{POLICY_HEADER} must be an integer, got {_text(value)!r}") from None
+    shown = value.decode("latin-1")[:64]
+    if _INTEGER.fullmatch(value) is None:
+        raise BadRequest(
+            f"{POLICY_HEADER} must be a decimal integer, got {shown!r}",
+            param=POLICY_HEADER,
+        )
+    version = int(value)
+    if not MIN_POLICY_VERSION <= version <= MAX_POLICY_VERSION:
+        raise BadRequest(
+            f"{POLICY_HEADER} must fit in a signed 64-bit integer, got {shown}",
+            param=POLICY_HEADER,
+        )
+    return version
 
 
 # -- the OpenAPI schema ------------------------------------------------------------------
