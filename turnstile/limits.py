@@ -22,6 +22,12 @@ TOTAL_TIMEOUT_S = 3600.0
 # Bodies of passthrough and error responses are read whole; bound them.
 MAX_PASSTHROUGH_BODY_BYTES = 64 * 1024 * 1024
 
+# --- files ---------------------------------------------------------------------------
+# Shards, manifests and journal segments hold every prompt and completion: readable and
+# writable by their owner only. A trainer running as another user is given access by the
+# operator (a shared group and `chmod g+r`, or an ACL), never by default.
+OUTPUT_FILE_MODE = 0o600
+
 # --- client side ---------------------------------------------------------------------
 # Long agent contexts (128k tokens of text, base64 images) stay well under 32 MiB.
 MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024

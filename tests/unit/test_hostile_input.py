@@ -15,7 +15,7 @@ from starlette.testclient import TestClient
 from tests.fakes_sink import InMemorySink
 from tests.unit.conftest import MakeApp
 from turnstile.backends import fake
-from turnstile.backends.fake import FakeResponse
+from turnstile.backends.fake import FakeResponse, FakeVLLM
 from turnstile.server.app import create_app
 from turnstile.server.bodies import first_invalid_text
 from turnstile.settings import load_settings
@@ -470,3 +470,50 @@ def test_a_rollout_key_opens_no_passthrough(
         assert client.get("/rollouts/own", headers=own).json()["num_turns"] == 2
     posts = [path for method, path, _, _ in h.backend.requests if method == "POST"]
     assert posts == ["/v1/chat/completions", "/v1/chat/completions"]
+
+
+# -- files and content types -----------------------------------------------------------------
+
+
+def test_shards_manifests_and_journal_are_readable_by_their_owner_only(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    settings = load_settings(None, {"output": out, "shard_max_rows": 1}, environ={})
+    with TestClient(create_app(settings, backend=FakeVLLM())) as client:
+        assert client.post("/rollouts/r/v1/chat/completions", json=BODY).status_code == 200
+        journal = [p for p in (out / "journal").rglob("*") if p.is_file()]
+        assert journal, "the journal holds the acknowledged turn"
+        assert {p.stat().st_mode & 0o777 for p in journal} == {0o600}
+        client.post("/rollouts/r/finish")
+    written = [p for p in out.rglob("*") if p.is_file()]
+    assert any(p.suffix == ".parquet" for p in written)
+    assert any(p.suffix == ".json" for p in written)  # the writer's manifest
+    modes = {str(p.relative_to(out)): p.stat().st_mode & 0o777 for p in written}
+    assert set(modes.values()) == {0o600}, modes
+
+
+class HtmlStreamVLLM:
+    """Answers a streamed call with SSE events but `Content-Type: text/html` (as a proxy
+    or load balancer in front of the backend may), and an error event in the stream."""
+
+    base_url = "http://html-stream"
+
+    async def request(self, method: str, path: str, body: bytes | None, headers: Any) -> Any:
+        if path != "/v1/chat/completions":
+            return FakeResponse(200, {"Content-Type": "application/json"}, [b'{"data": []}'])
+        events = [b'data: {"error": {"message": "engine overloaded", "code": 503}}\n\n']
+        return FakeResponse(200, {"Content-Type": "text/html; charset=utf-8"}, events)
+
+    async def aclose(self) -> None:
+        return None
+
+
+def test_a_relayed_stream_is_always_sse(tmp_path: Path) -> None:
+    settings = load_settings(None, {"output": tmp_path / "out"}, environ={})
+    sink = InMemorySink()
+    with TestClient(create_app(settings, backend=HtmlStreamVLLM(), sink=sink)) as client:
+        resp = client.post("/rollouts/r/v1/chat/completions", json={**BODY, "stream": True})
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        assert "engine overloaded" in resp.text and resp.text.rstrip().endswith("[DONE]")
+        assert client.get("/rollouts/r").json()["in_flight"] == 0
+        client.post("/rollouts/r/finish")
+    assert [t.status.value for t in sink.turns] == ["error"]

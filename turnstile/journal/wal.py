@@ -49,6 +49,7 @@ from typing import BinaryIO, Literal, Protocol
 
 from turnstile.errors import Overloaded
 from turnstile.journal.fsync import fsync_path
+from turnstile.limits import OUTPUT_FILE_MODE
 from turnstile.runtime import name_thread
 
 FsyncPolicy = Literal["always", "interval", "never"]
@@ -263,7 +264,7 @@ def _repair(directory: Path, *, sync: bool) -> RepairReport:
 
 
 def _lock(directory: Path) -> int:
-    fd = os.open(directory / _LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fd = os.open(directory / _LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, OUTPUT_FILE_MODE)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -543,7 +544,7 @@ class FileJournal:
                 self._fd, self._active = -1, None
             path = self.directory / segment_name(segment_id)
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC
-            self._fd = os.open(path, flags, 0o644)
+            self._fd = os.open(path, flags, OUTPUT_FILE_MODE)
             self._active, self._active_size = segment_id, 0
             self._segment_ids.append(segment_id)
         if self._sync:

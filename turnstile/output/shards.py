@@ -42,6 +42,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from turnstile.journal.fsync import fsync_path
+from turnstile.limits import OUTPUT_FILE_MODE
 from turnstile.output.schema import (
     META_WRITER,
     TABLES,
@@ -268,7 +269,10 @@ class ParquetShardSink:
         tmp = final.with_name(f".{final.name}.tmp")
         try:
             final.parent.mkdir(exist_ok=True)
-            with tmp.open("wb") as f:
+            fd = os.open(
+                tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, OUTPUT_FILE_MODE
+            )
+            with os.fdopen(fd, "wb") as f:
                 f.write(json.dumps(manifest, indent=1).encode())
                 if self.fsync:
                     f.flush()
@@ -439,6 +443,7 @@ class ParquetShardSink:
                 use_dictionary=dictionary_columns(table),
                 write_statistics=statistics_columns(table),
             )
+            os.chmod(staged, OUTPUT_FILE_MODE)
             if self.fsync:
                 fsync_path(staged)
             if final.exists():

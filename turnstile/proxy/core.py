@@ -64,6 +64,7 @@ log = logging.getLogger("turnstile.proxy")
 PATHS = {CHAT: "/v1/chat/completions", "completions": "/v1/completions"}
 _EMPTY_I32 = np.zeros(0, dtype=np.int32)
 _EMPTY_F32 = np.zeros(0, dtype=np.float32)
+_SSE_TYPE = "text/event-stream"
 _JSON = "application/json"
 
 # Told the records of each finished call (one per choice), e.g. to count them.
@@ -336,7 +337,7 @@ class Proxy:
         if plan.stream:
             return StreamRelay(
                 resp.status,
-                resp.headers.get("Content-Type", "text/event-stream"),
+                _stream_type(resp),
                 self._relay_stream(call, capture, resp),
                 call.headers,
             )
@@ -425,7 +426,7 @@ class Proxy:
             answer = None
             if kept is not None:
                 kept.append(encode_data(DONE))
-                content_type = resp.headers.get("Content-Type", "text/event-stream")
+                content_type = _stream_type(resp)
                 answer = Answer(resp.status, content_type, kept, call.headers, stream=True)
             self._finish(call, capture, TurnStatus.OK, None, resp.status, answer)
             try:
@@ -633,6 +634,14 @@ class _EventRelay:
             else:
                 out.append(event.raw)
         return b"".join(out)
+
+
+def _stream_type(resp: BackendResponse) -> str:
+    """The content type a relayed stream goes out with: the backend's when it is SSE, else
+    SSE all the same, since Turnstile writes SSE events (its error events included) into it
+    whatever the backend said (a proxy in front of it may answer `text/html`)."""
+    declared = resp.headers.get("Content-Type", "")
+    return declared if declared.startswith(_SSE_TYPE) else _SSE_TYPE
 
 
 def _resend(answer: Answer) -> Relay | StreamRelay:
