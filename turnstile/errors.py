@@ -71,6 +71,18 @@ class MethodNotAllowed(BadRequest):
     status = 405
 
 
+class RequestTimeout(BadRequest):
+    """The client did not send its whole body in time."""
+
+    status = 408
+
+
+class HeadersTooLarge(BadRequest):
+    """Too many request headers, or too many bytes of them."""
+
+    status = 431
+
+
 class Unauthorized(TurnstileError):
     status = 401
     error_type = "authentication_error"

@@ -31,6 +31,16 @@ OUTPUT_FILE_MODE = 0o600
 # --- client side ---------------------------------------------------------------------
 # Long agent contexts (128k tokens of text, base64 images) stay well under 32 MiB.
 MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
+# Bodies being read at once, all requests together: eight of the largest. A ninth waits
+# for none of them: it gets 503 with Retry-After (slow clients cannot pin the memory).
+MAX_BUFFERED_BODY_BYTES = 8 * MAX_REQUEST_BODY_BYTES
+# Reading one body: 32 MiB over a 10 Mbit/s link takes 27 s; a client slower than that is
+# holding a connection open (slowloris), and gets 408.
+REQUEST_BODY_READ_TIMEOUT_S = 60.0
+# Request headers: real clients send a few dozen headers in a few KiB (nginx allows 32 KiB
+# by default); more is refused with 431 before anything else runs.
+MAX_REQUEST_HEADERS = 100
+MAX_REQUEST_HEADER_BYTES = 64 * 1024
 # Rollout ids appear in URLs and file rows; keep them short and URL-safe.
 MAX_ROLLOUT_ID_LENGTH = 128
 # Token ids are int32 columns and never negative; a backend id outside is refused.

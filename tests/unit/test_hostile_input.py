@@ -3,11 +3,14 @@ cost nobody else's data: every earlier acknowledged turn is still recorded."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import socket
 from pathlib import Path
 from typing import Any
 
+import httpx
 import orjson
 import pytest
 from starlette.testclient import TestClient
@@ -16,7 +19,9 @@ from tests.fakes_sink import InMemorySink
 from tests.unit.conftest import MakeApp
 from turnstile.backends import fake
 from turnstile.backends.fake import FakeResponse, FakeVLLM
+from turnstile.errors import Overloaded, RequestTimeout
 from turnstile.server.app import create_app
+from turnstile.server.asgi import BodyReader
 from turnstile.server.bodies import first_invalid_text
 from turnstile.settings import load_settings
 
@@ -517,3 +522,55 @@ def test_a_relayed_stream_is_always_sse(tmp_path: Path) -> None:
         assert client.get("/rollouts/r").json()["in_flight"] == 0
         client.post("/rollouts/r/finish")
     assert [t.status.value for t in sink.turns] == ["error"]
+
+
+# -- a bounded server -------------------------------------------------------------------------
+
+
+def test_too_many_or_too_large_headers_get_431(make_app: MakeApp, live: Any) -> None:
+    h = make_app()
+    server = live(h.app)
+    many = {f"x-h{i}": "1" for i in range(150)}
+    with httpx.Client(base_url=server.url, timeout=10) as client:
+        resp = client.post("/rollouts/r/v1/chat/completions", json=BODY, headers=many)
+        _assert_error(resp, 431, "request headers")
+        big = {"x-big": "a" * (70 * 1024)}
+        _assert_error(client.get("/health", headers=big), 431, "bytes of request headers")
+        assert client.post("/rollouts/r/v1/chat/completions", json=BODY).status_code == 200
+    assert len([r for r in h.backend.requests if r[0] == "POST"]) == 1
+
+
+def _receive_from(chunks: list[bytes], then_wait: bool) -> Any:
+    """An ASGI receive that delivers `chunks` (more to come), then waits for ever or ends."""
+    queue = list(chunks)
+
+    async def receive() -> dict[str, Any]:
+        if queue:
+            return {"type": "http.request", "body": queue.pop(0), "more_body": True}
+        if then_wait:
+            await asyncio.sleep(3600)
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    return receive
+
+
+async def test_a_body_that_does_not_arrive_in_time_gets_408() -> None:
+    reader = BodyReader(1024, timeout_s=0.2)
+    with pytest.raises(RequestTimeout, match=r"did not arrive within 0\.2 s"):
+        await reader.read(_receive_from([b"{"], then_wait=True), b"100")
+    assert reader.buffered == 0  # what it held is given back
+
+
+async def test_bodies_buffered_together_are_bounded() -> None:
+    reader = BodyReader(100, budget=150, timeout_s=5)
+    slow = asyncio.ensure_future(reader.read(_receive_from([b"x" * 100], then_wait=True), None))
+    await asyncio.sleep(0.05)
+    assert reader.buffered == 100
+    with pytest.raises(Overloaded) as refused:
+        await reader.read(_receive_from([b"y" * 100], then_wait=False), None)
+    assert refused.value.status == 503 and "Retry-After" in refused.value.headers()
+    slow.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await slow
+    assert reader.buffered == 0
+    assert await reader.read(_receive_from([b"z" * 100], then_wait=False), None) == b"z" * 100

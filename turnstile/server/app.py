@@ -39,6 +39,7 @@ from turnstile.output.shards import ParquetShardSink, Sink
 from turnstile.output.tokenizer import LocalTokenizer
 from turnstile.proxy.core import Proxy
 from turnstile.runtime import tune_gc
+from turnstile.server.asgi import BodyReader, HeaderLimits
 from turnstile.server.auth import AuthMiddleware, RolloutKeys
 from turnstile.server.logs import RequestContext
 from turnstile.server.metrics import EventMetrics, HTTPMetrics, TurnstileMetrics, add_metrics_route
@@ -237,7 +238,8 @@ def create_app(
     admin_key = resolve_secret(settings.admin_api_key_env)
     rollout_keys = RolloutKeys(client_keys) if client_keys else None
     # Added first, so it runs inside authentication (the last added runs outermost).
-    app.add_middleware(CompletionFastPath, proxy=proxy, max_body=settings.max_request_body_bytes)
+    bodies = BodyReader(settings.max_request_body_bytes)
+    app.add_middleware(CompletionFastPath, proxy=proxy, bodies=bodies)
     app.add_middleware(
         AuthMiddleware,
         client_keys=client_keys,
@@ -252,11 +254,12 @@ def create_app(
     metrics = TurnstileMetrics(events, proxy, backend)
     app.add_middleware(HTTPMetrics, events=events)
     app.add_middleware(RequestContext)
+    app.add_middleware(HeaderLimits)  # before anything reads a header
     install_error_handlers(app)
     add_routes(
         app.router,
         proxy,
-        settings.max_request_body_bytes,
+        bodies,
         rollout_keys,
         tito_stats=None if tito is None else tito.stats,
     )

@@ -103,9 +103,9 @@ def error_response(exc: TurnstileError) -> Response:
     )
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused with 413 before more than `limit` bytes are buffered."""
-    return await asgi.read_body(request.receive, request.headers.get("content-length"), limit)
+async def read_body(request: Request, bodies: asgi.BodyReader) -> bytes:
+    """The request body, within the bounds of `bodies` (413, 408, 503)."""
+    return await bodies.read(request.receive, request.headers.get("content-length"))
 
 
 def _info_text(info: dict[str, Any]) -> dict[str, str | None]:
@@ -116,7 +116,7 @@ def _info_text(info: dict[str, Any]) -> dict[str, str | None]:
 def add_routes(
     router: APIRouter,
     proxy: Proxy,
-    max_body: int,
+    bodies: asgi.BodyReader,
     rollout_keys: RolloutKeys | None = None,
     tito_stats: Callable[[], dict[str, Any]] | None = None,
 ) -> None:
@@ -219,7 +219,7 @@ def add_routes(
 
     async def passthrough(request: Request) -> Response:
         path = passthrough_path(request.scope)
-        body = await read_body(request, max_body) if request.method != "GET" else None
+        body = await read_body(request, bodies) if request.method != "GET" else None
         if request.url.query:
             path += "?" + request.url.query
         result = await proxy.passthrough(

@@ -24,7 +24,7 @@ from turnstile.limits import MAX_POLICY_VERSION, MIN_POLICY_VERSION
 from turnstile.proxy.capture import CHAT, COMPLETIONS
 from turnstile.proxy.core import Proxy, Relay, StreamRelay
 from turnstile.proxy.rollouts import check_rollout_id
-from turnstile.server.asgi import read_body, send_error
+from turnstile.server.asgi import BodyReader, send_error
 from turnstile.server.routes.api import StreamingRelayResponse
 
 log = logging.getLogger("turnstile.completions")
@@ -49,10 +49,10 @@ _INTEGER: Final[re.Pattern[bytes]] = re.compile(rb"-?[0-9]{1,20}")
 class CompletionFastPath:
     """Serves POST chat/completions calls directly; everything else goes to `app`."""
 
-    def __init__(self, app: ASGIApp, proxy: Proxy, max_body: int) -> None:
+    def __init__(self, app: ASGIApp, proxy: Proxy, bodies: BodyReader) -> None:
         self.app = app
         self.proxy = proxy
-        self.max_body = max_body
+        self.bodies = bodies
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         match = _ROUTE.fullmatch(scope["path"]) if scope["type"] == "http" else None
@@ -101,7 +101,7 @@ class CompletionFastPath:
             rid = found[_ROLLOUT].decode("latin-1")
         if rid is not None:
             check_rollout_id(rid)
-        raw = await read_body(receive, found.get(_LENGTH), self.max_body)
+        raw = await self.bodies.read(receive, found.get(_LENGTH))
         policy = found.get(_POLICY)
         return await self.proxy.complete(
             endpoint,
