@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -444,8 +445,10 @@ def test_a_completion_route_in_another_spelling_is_never_generated_unrecorded(
     generated = [r for r in h.backend.requests if r[1].endswith("completions")]
     if generated:  # the backend answered: then the turn must be recorded
         assert status == 200
-        server_turns = len(h.sink.turns) + len(h.sink.pending_turns)
-        assert server_turns == len(generated)
+        deadline = time.monotonic() + 10  # the writer thread takes it off the request path
+        while len(h.sink.turns) + len(h.sink.pending_turns) < len(generated):
+            assert time.monotonic() < deadline, "a generated turn was not recorded"
+            time.sleep(0.02)
     else:
         assert status in (400, 404)
 
@@ -574,3 +577,51 @@ async def test_bodies_buffered_together_are_bounded() -> None:
         await slow
     assert reader.buffered == 0
     assert await reader.read(_receive_from([b"z" * 100], then_wait=False), None) == b"z" * 100
+
+
+class SlowVLLM:
+    """Takes 30 s to answer a chat call, unless the call is cancelled first."""
+
+    base_url = "http://slow-vllm"
+
+    def __init__(self) -> None:
+        self.cancelled = asyncio.Event()
+
+    async def request(self, method: str, path: str, body: bytes | None, headers: Any) -> Any:
+        if path != "/v1/chat/completions":
+            return FakeResponse(200, {"Content-Type": "application/json"}, [b'{"data": []}'])
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+        raise AssertionError("the call was not cancelled")
+
+    async def aclose(self) -> None:
+        return None
+
+
+def test_a_non_streaming_client_that_leaves_cancels_the_call(tmp_path: Path, live: Any) -> None:
+    backend = SlowVLLM()
+    sink = InMemorySink()
+    settings = load_settings(None, {"output": tmp_path / "out"}, environ={})
+    app = create_app(settings, backend=backend, sink=sink)
+    server = live(app)
+    body = orjson.dumps(BODY)
+    head = (
+        f"POST /rollouts/r/v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(head.encode() + body)
+        time.sleep(0.5)  # the call is with the backend now
+    deadline = time.monotonic() + 10
+    with httpx.Client(base_url=server.url, timeout=10) as client:
+        while client.get("/rollouts/r").json()["in_flight"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        state = client.get("/rollouts/r").json()
+        assert state["in_flight"] == 0 and state["num_turns"] == 1
+        assert client.post("/rollouts/r/finish").status_code == 200
+    server.__exit__()
+    assert backend.cancelled.is_set()  # the upstream request was closed, not left running
+    assert [(t.status.value, t.http_status) for t in sink.turns] == [("aborted", 499)]

@@ -331,8 +331,8 @@ class Proxy:
         except TurnstileError as exc:
             self._finish(call, capture, TurnStatus.ERROR, exc.message, exc.status)
             raise
-        except BaseException:
-            self._finish(call, capture, TurnStatus.ERROR, "request cancelled", 499)
+        except BaseException:  # cancelled: the client went away, or the server is stopping
+            self._finish(call, capture, TurnStatus.ABORTED, "request cancelled", 499)
             raise
         if plan.stream:
             return StreamRelay(

@@ -64,7 +64,7 @@ class StreamingRelayResponse(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         sender = asyncio.ensure_future(self._send_all(send))
-        watcher = asyncio.ensure_future(_wait_disconnect(receive))
+        watcher = asyncio.ensure_future(wait_disconnect(receive))
         try:
             done, _ = await asyncio.wait({sender, watcher}, return_when=asyncio.FIRST_COMPLETED)
             if sender not in done:
@@ -87,7 +87,7 @@ class StreamingRelayResponse(Response):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-async def _wait_disconnect(receive: Receive) -> None:
+async def wait_disconnect(receive: Receive) -> None:
     while True:
         message: Message = await receive()
         if message["type"] == "http.disconnect":

@@ -13,6 +13,8 @@ appear in its OpenAPI schema through `openapi_paths`.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import re
 from typing import Any, Final
@@ -25,7 +27,7 @@ from turnstile.proxy.capture import CHAT, COMPLETIONS
 from turnstile.proxy.core import Proxy, Relay, StreamRelay
 from turnstile.proxy.rollouts import check_rollout_id
 from turnstile.server.asgi import BodyReader, send_error
-from turnstile.server.routes.api import StreamingRelayResponse
+from turnstile.server.routes.api import StreamingRelayResponse, wait_disconnect
 
 log = logging.getLogger("turnstile.completions")
 
@@ -67,6 +69,8 @@ class CompletionFastPath:
             return
         try:
             result = await self._complete(scope, receive, _ENDPOINTS[match["ep"]], match["rid"])
+            if result is None:  # the client went away; the call is recorded as aborted
+                return
         except TurnstileError as exc:
             if exc.status >= 500:
                 log.warning("POST %s -> %d: %s", scope["path"], exc.status, exc.message)
@@ -91,7 +95,7 @@ class CompletionFastPath:
 
     async def _complete(
         self, scope: Scope, receive: Receive, endpoint: str, rollout_id: str | None
-    ) -> Relay | StreamRelay:
+    ) -> Relay | StreamRelay | None:
         found: dict[bytes, bytes] = {}
         for name, value in scope["headers"]:
             if name in (_ROLLOUT, _POLICY, _IDEMPOTENCY, _RETRY, _LENGTH):
@@ -102,15 +106,30 @@ class CompletionFastPath:
         if rid is not None:
             check_rollout_id(rid)
         raw = await self.bodies.read(receive, found.get(_LENGTH))
-        policy = found.get(_POLICY)
-        return await self.proxy.complete(
-            endpoint,
-            raw,
-            rollout_id=rid,
-            policy_version=_policy_version(policy),
-            idempotency_key=_text(found.get(_IDEMPOTENCY)),
-            retry_count=_text(found.get(_RETRY)),
+        call = asyncio.ensure_future(
+            self.proxy.complete(
+                endpoint,
+                raw,
+                rollout_id=rid,
+                policy_version=_policy_version(found.get(_POLICY)),
+                idempotency_key=_text(found.get(_IDEMPOTENCY)),
+                retry_count=_text(found.get(_RETRY)),
+            )
         )
+        # Until the answer (or a stream's first bytes) is ready, a client that disconnects
+        # cancels the call: the backend request is closed and the turn recorded as aborted.
+        watcher = asyncio.ensure_future(wait_disconnect(receive))
+        try:
+            await asyncio.wait((call, watcher), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+        if not call.done():
+            call.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await call
+            log.info("client disconnected from POST %s before the answer", scope["path"])
+            return None
+        return call.result()
 
 
 def _text(value: bytes | None) -> str | None:
