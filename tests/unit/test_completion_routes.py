@@ -55,7 +55,7 @@ def test_every_completion_route_reaches_the_one_handler(
 
     async def counted(
         self: CompletionFastPath, scope: Any, receive: Any, endpoint: str, rollout_id: str | None
-    ) -> Relay | StreamRelay:
+    ) -> Relay | StreamRelay | None:
         calls.append((scope["path"], endpoint, rollout_id))
         return await handler(self, scope, receive, endpoint, rollout_id)
 
