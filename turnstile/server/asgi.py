@@ -37,16 +37,18 @@ async def read_body(
     declared: bytes | str | None,
     limit: int,
     timeout_s: float = REQUEST_BODY_READ_TIMEOUT_S,
+    budget: BodyReader | None = None,
 ) -> bytes:
     """The request body, refused with 413 before more than `limit` bytes are buffered and
-    with 408 when it takes longer than `timeout_s` to arrive."""
+    with 408 when it takes longer than `timeout_s` to arrive; with a `budget`, its bytes
+    count against it while they are read (503 when it is spent)."""
     if declared is not None:
         size = _declared_size(declared)
         if size > limit:
             raise PayloadTooLarge(f"request body of {size} bytes exceeds the limit of {limit}")
     try:
         async with asyncio.timeout(timeout_s):
-            return await _read_all(receive, limit, None)
+            return await _read_all(receive, limit, budget)
     except TimeoutError:
         raise RequestTimeout(f"the request body did not arrive within {timeout_s:g} s") from None
 
@@ -116,19 +118,7 @@ class BodyReader:
 
     async def read(self, receive: Receive, declared: bytes | str | None) -> bytes:
         """The whole body (see the class docstring for the bounds)."""
-        if declared is not None:
-            size = _declared_size(declared)
-            if size > self.limit:
-                raise PayloadTooLarge(
-                    f"request body of {size} bytes exceeds the limit of {self.limit}"
-                )
-        try:
-            async with asyncio.timeout(self.timeout_s):
-                return await _read_all(receive, self.limit, self)
-        except TimeoutError:
-            raise RequestTimeout(
-                f"the request body did not arrive within {self.timeout_s:g} s"
-            ) from None
+        return await read_body(receive, declared, self.limit, self.timeout_s, budget=self)
 
 
 class HeaderLimits:
