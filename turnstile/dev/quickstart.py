@@ -31,6 +31,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from turnstile.dev.cache import _tail
+
 __all__ = ["main", "quickstart_blocks"]
 
 # Creating the venv and installing the project downloads its dependencies (a clean HOME has
@@ -81,11 +83,6 @@ def quickstart_blocks(readme: str) -> tuple[str, list[str]]:
     if command is None or not snippets:
         raise QuickstartError("the Quickstart section needs a bash block, then python blocks")
     return command, snippets
-
-
-def _tail(path: Path) -> str:
-    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    return "\n".join(lines[-TAIL_LINES:])
 
 
 def _listing(directory: Path) -> str:
@@ -153,12 +150,12 @@ def run(repo: Path, workdir: Path, reuse: Path | None, log: Path) -> Path:
             if process.poll() is not None:
                 raise QuickstartError(
                     f"the quickstart command exited with {process.returncode} before "
-                    f"'{UP_LINE}'; last lines of {log}:\n{_tail(log)}"
+                    f"'{UP_LINE}'; last lines of {log}:\n{_tail(log, TAIL_LINES)}"
                 )
             if time.monotonic() - started > DEMO_UP_TIMEOUT_S:
                 raise QuickstartError(
                     f"no '{UP_LINE}' within {DEMO_UP_TIMEOUT_S:.0f} s; last lines of {log}:\n"
-                    f"{_tail(log)}"
+                    f"{_tail(log, TAIL_LINES)}"
                 )
             time.sleep(POLL_INTERVAL_S)
         print(f"quickstart: '{UP_LINE}' after {time.monotonic() - started:.0f} s", flush=True)

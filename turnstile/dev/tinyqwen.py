@@ -24,7 +24,6 @@ from turnstile.dev.cache import (
     _run_logged,
     build_digest,
     is_current,
-    read_marker,
 )
 from turnstile.dev.qwen3_tokenizer import (
     QWEN3_BOS_ID,
@@ -33,8 +32,9 @@ from turnstile.dev.qwen3_tokenizer import (
     QWEN3_PADDED_VOCAB_SIZE,
     TOKENIZER_FILES,
     ensure_qwen3_tokenizer,
+    tokenizer_digest,
 )
-from turnstile.dev.vllm_env import ensure_vllm_env, vllm_venv_dir
+from turnstile.dev.vllm_env import ensure_vllm_env, vllm_env_digest
 
 __all__ = ["BUILDER_SCRIPT", "TINY_QWEN3_CONFIG", "ensure_tiny_qwen3", "tiny_model_digest"]
 
@@ -100,9 +100,8 @@ def ensure_tiny_qwen3(root: Path | None = None, log: Log = print) -> Path:
     marker = directory / ".turnstile-complete"
     python = ensure_vllm_env(base, log)
     tokenizer_dir = ensure_qwen3_tokenizer(base, log)
-    env_digest = read_marker(vllm_venv_dir(base) / ".turnstile-installed") or ""
-    tokenizer_marker = read_marker(tokenizer_dir / ".turnstile-complete") or ""
-    expected = tiny_model_digest(env_digest, tokenizer_marker)
+    # Both were just made current, so their digests are what their markers hold.
+    expected = tiny_model_digest(vllm_env_digest(), tokenizer_digest())
     if is_current(marker, expected, "the tiny Qwen3 model", log):
         return directory
     with _file_lock(base / "locks" / "tiny-qwen3.lock"):

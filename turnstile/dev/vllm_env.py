@@ -26,7 +26,6 @@ from turnstile.dev.cache import (
     build_digest,
     cache_root,
     is_current,
-    read_marker,
 )
 
 __all__ = [
@@ -71,11 +70,6 @@ def vllm_env_digest() -> str:
         "python": list(sys.version_info[:2]),
     }
     return build_digest(recipe, [Path(__file__)])
-
-
-def installed_vllm_env_digest(root: Path | None = None) -> str | None:
-    """The digest the installed vLLM environment was built from, or None."""
-    return read_marker(vllm_venv_dir(root) / ".turnstile-installed")
 
 
 def _torch_index_url() -> str | None:
