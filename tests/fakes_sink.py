@@ -13,6 +13,7 @@ from turnstile.output.schema import rollouts_table, samples_table, turns_table
 from turnstile.output.shards import Sink, SinkError, SinkProgress
 from turnstile.records import (
     BreakKind,
+    QuarantineRecord,
     Reward,
     RolloutRecord,
     RolloutStatus,
@@ -35,6 +36,7 @@ class InMemorySink:
     turns: list[TurnRecord] = field(default_factory=list)
     samples: list[SampleRecord] = field(default_factory=list)
     rollouts: list[RolloutRecord] = field(default_factory=list)
+    quarantine: list[QuarantineRecord] = field(default_factory=list)
     pending_turns: list[TurnRecord] = field(default_factory=list)
     pending_samples: list[SampleRecord] = field(default_factory=list)
     pending_rollouts: list[RolloutRecord] = field(default_factory=list)
@@ -60,6 +62,10 @@ class InMemorySink:
     def write_rollouts(self, records: Sequence[RolloutRecord]) -> None:
         self._check()
         self.pending_rollouts.extend(records)
+
+    def write_quarantine(self, records: Sequence[QuarantineRecord]) -> None:
+        self._check()
+        self.quarantine.extend(records)
 
     def maybe_roll(self, now: float | None = None) -> None:
         self.flush()

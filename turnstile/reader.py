@@ -347,6 +347,12 @@ class ShardReader:
             columns=columns,
         )
 
+    def quarantine(self, columns: Sequence[str] | None = None) -> pa.Table:
+        """Rows that could not be written to their table, with the reason and the record
+        (`turnstile.output.quarantine`); empty when nothing was quarantined."""
+        cols = list(columns) if columns is not None else None
+        return self.dataset("quarantine").to_table(columns=cols)
+
     # ------------------------------------------------------------ iteration
 
     def iter_batches(

@@ -164,3 +164,22 @@ class RolloutRecord:
     created_at: float
     sealed_at: float
     policy_versions: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class QuarantineRecord:
+    """A row that could not be written to its table, kept with the reason.
+
+    Built by `turnstile.output.quarantine.quarantine`, which makes every field safe to
+    write (valid UTF-8 text, keys within int64), so a quarantine row itself never fails.
+    """
+
+    table: str  # the table the row was meant for
+    reason: str
+    record_format: str  # "journal" (a turn's journal payload) or "json"
+    record: bytes
+    quarantined_at: float
+    rollout_id: str | None = None
+    turn_id: str | None = None
+    choice_index: int | None = None
+    sample_index: int | None = None

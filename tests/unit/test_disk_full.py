@@ -12,6 +12,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from tests.fakes_backend import FakeVLLM
+from turnstile.cli.verify import verify
 from turnstile.reader import open_output
 from turnstile.server.app import create_app
 from turnstile.settings import load_settings
@@ -85,3 +86,29 @@ def test_journal_disk_full_means_no_acknowledgement(
         assert client.post("/rollouts/j/v1/chat/completions", json=BODY).status_code == 200
     # the refused calls are still recorded, just never acknowledged
     assert len(h.sink.turns) == 4
+
+
+def test_the_journal_outlives_a_shutdown_that_could_not_publish(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "out"
+    settings = load_settings(None, {"output": out}, environ={})
+    real_write = pq.write_table
+
+    def write_table(*args: Any, **kwargs: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(pq, "write_table", write_table)
+    with TestClient(create_app(settings, backend=FakeVLLM())) as client:
+        for i in range(3):
+            assert client.post(f"/rollouts/r{i}/v1/chat/completions", json=BODY).status_code == 200
+            assert client.post(f"/rollouts/r{i}/finish").status_code == 200
+    # Nothing could be published at shutdown: the journal stays, and verify says so.
+    assert list((out / "journal").glob("*.wal"))
+    assert not verify(out).ok
+    monkeypatch.setattr(pq, "write_table", real_write)
+    with TestClient(create_app(settings, backend=FakeVLLM())) as client:
+        assert client.get("/health").json()["status"] == "ok"
+    report = verify(out)
+    assert report.ok and report.published_turns == 0 and report.rows["turns"] == 3
+    assert len(open_output(out).rollouts()) == 3

@@ -10,6 +10,7 @@ import pytest
 
 from tests.fakes_sink import make_rollout, make_sample, make_turn
 from turnstile.output.schema import (
+    ALL_TABLES,
     COLUMNS,
     ROLLOUTS_SCHEMA,
     SAMPLES_SCHEMA,
@@ -112,6 +113,17 @@ EXPECTED_ROLLOUTS = [
     ("min_policy_version", "int64", True),
     ("max_policy_version", "int64", True),
 ]
+EXPECTED_QUARANTINE = [
+    ("quarantined_at", "timestamp[us, tz=UTC]", False),
+    ("table", "string", False),
+    ("rollout_id", "string", True),
+    ("turn_id", "string", True),
+    ("choice_index", "int64", True),
+    ("sample_index", "int64", True),
+    ("reason", "string", False),
+    ("record_format", "string", False),
+    ("record", "large_binary", False),
+]
 
 
 def _columns(schema: pa.Schema) -> list[tuple[str, str, bool]]:
@@ -128,15 +140,16 @@ def test_schema_version_is_pinned() -> None:
         (TURNS_SCHEMA, EXPECTED_TURNS),
         (SAMPLES_SCHEMA, EXPECTED_SAMPLES),
         (ROLLOUTS_SCHEMA, EXPECTED_ROLLOUTS),
+        (SCHEMAS["quarantine"], EXPECTED_QUARANTINE),
     ],
-    ids=["turns", "samples", "rollouts"],
+    ids=["turns", "samples", "rollouts", "quarantine"],
 )
 def test_columns_are_pinned(schema: pa.Schema, expected: list[tuple[str, str, bool]]) -> None:
     assert _columns(schema) == expected
 
 
 def test_schemas_carry_version_and_table() -> None:
-    for table in TABLES:
+    for table in ALL_TABLES:
         meta = SCHEMAS[table].metadata
         assert meta[b"turnstile.schema_version"] == b"2"
         assert meta[b"turnstile.table"] == table.encode()
@@ -168,7 +181,7 @@ def test_write_options_skip_token_lists() -> None:
 
 def test_markdown_lists_every_column() -> None:
     doc = schema_markdown()
-    for table in TABLES:
+    for table in ALL_TABLES:
         assert f"### `{table}`" in doc
         for column in COLUMNS[table]:
             assert f"| `{column.name}` |" in doc

@@ -235,15 +235,20 @@ def test_disk_full_while_syncing_publishes_nothing(
     assert len(_published(tmp_path, "samples")) == 1
 
 
-def test_unconvertible_records_are_dropped_with_an_error(tmp_path: Path) -> None:
+def test_unconvertible_records_are_quarantined_not_dropped(tmp_path: Path) -> None:
     sink = _sink(tmp_path)
     bad = make_turn(completion_len=3, behavior_logprobs=make_turn().behavior_logprobs[:1])
     sink.write_turns([bad])
     sink.write_rollouts([make_rollout()])
-    with pytest.raises(SinkError, match="dropped"):
-        sink.flush()
+    sink.flush()  # nothing raised: the row went to the quarantine, the rest was published
     assert sink.buffered("turns") == 0
-    assert len(_published(tmp_path, "rollouts")) == 1  # other tables still published
+    assert _published(tmp_path, "turns") == []  # its chunk held only the bad row
+    assert len(_published(tmp_path, "rollouts")) == 1
+    assert len(_published(tmp_path, "quarantine")) == 1
+    progress = sink.progress()
+    assert progress.covers(progress.accepted)
+    assert progress.quarantined == {"turns": 1}
+    assert "1 logprobs for 3 completion tokens" in (progress.quarantine_reason or "")
 
 
 def test_unwritable_output_dir_raises_sink_error(tmp_path: Path) -> None:

@@ -105,7 +105,37 @@ class Rebuilt:
 
 def published_keys(output: Path) -> tuple[set[tuple[str, int]], set[tuple[str, int]], set[str]]:
     """What the shards under `output` hold: (turn_id, choice) keys of turns,
-    (rollout_id, sample_index) keys of samples, and rollout ids."""
+    (rollout_id, sample_index) keys of samples, and rollout ids; rows in the quarantine
+    count as held (they are settled: writing them again would only quarantine them
+    again)."""
+    turn_keys, sample_keys, rollout_ids = _table_keys(output)
+    held_turns, held_samples = quarantined_keys(output)
+    return turn_keys | held_turns, sample_keys | held_samples, rollout_ids
+
+
+def quarantined_keys(output: Path) -> tuple[set[tuple[str, int]], set[tuple[str, int]]]:
+    """The (turn_id, choice) keys of quarantined turns and the (rollout_id, sample_index)
+    keys of quarantined samples under `output`."""
+    reader = open_output(output)
+    if not reader.files("quarantine"):
+        return set(), set()
+    rows = reader.quarantine(
+        columns=["table", "rollout_id", "turn_id", "choice_index", "sample_index"]
+    ).to_pylist()
+    turns = {
+        (r["turn_id"], r["choice_index"])
+        for r in rows
+        if r["table"] == "turns" and r["turn_id"] is not None and r["choice_index"] is not None
+    }
+    samples = {
+        (r["rollout_id"], r["sample_index"])
+        for r in rows
+        if r["table"] == "samples" and r["rollout_id"] is not None and r["sample_index"] is not None
+    }
+    return turns, samples
+
+
+def _table_keys(output: Path) -> tuple[set[tuple[str, int]], set[tuple[str, int]], set[str]]:
     reader = open_output(output)
     turns = reader.turns(columns=["turn_id", "choice_index"]) if reader.files("turns") else None
     samples = (

@@ -32,7 +32,7 @@ from typing import Any, Final, TypeVar
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from turnstile.output.schema import TABLES
+from turnstile.output.schema import ALL_TABLES
 from turnstile.output.shards import SHARD_GLOB, SinkError
 from turnstile.reader import MANIFEST_DIR, MANIFEST_SUFFIX, MANIFEST_VERSION, open_uri
 
@@ -136,7 +136,9 @@ class ObjectStorePublisher:
     # -- one pass ----------------------------------------------------------------------
     def staged(self) -> list[tuple[str, Path]]:
         """Published local shards not yet moved to the store, oldest first."""
-        found = [(table, p) for table in TABLES for p in (self.staging / table).glob(SHARD_GLOB)]
+        found = [
+            (table, p) for table in ALL_TABLES for p in (self.staging / table).glob(SHARD_GLOB)
+        ]
         return sorted(found, key=lambda tp: tp[1].name)
 
     def sync_once(self) -> int:

@@ -12,6 +12,13 @@ frame it needs. A pin is held from `submit_*` until every row the work produced 
 a published shard (`Sink.progress`); `oldest_pin` is what the journal must keep. Work
 that fails keeps its pin for the life of the process, so its frames stay for the rebuild
 at the next start.
+
+Nothing is dropped: a row that cannot be written (a retokenization that fails, a rollout
+that cannot be stitched, a value the sink cannot convert) goes to the quarantine table
+with its reason (`turnstile.output.quarantine`), and its neighbours are written as usual.
+`error` is the failure in progress (new work is refused while it lasts); `incident` is
+the latest failure or quarantine, which stays, with `errors_total` and the quarantine
+counts, until an operator acknowledges it (`acknowledge`, `POST /admin/recorder/ack`).
 """
 
 from __future__ import annotations
@@ -30,10 +37,17 @@ import orjson
 
 from turnstile.errors import Overloaded
 from turnstile.limits import WRITER_TICK_S
+from turnstile.output.quarantine import quarantine
 from turnstile.output.shards import Sink
 from turnstile.output.stitch import RolloutInfo, stitch
 from turnstile.output.tokenizer import LocalTokenizer
-from turnstile.records import RolloutRecord, TokenSource, TurnRecord, TurnStatus
+from turnstile.records import (
+    QuarantineRecord,
+    RolloutRecord,
+    TokenSource,
+    TurnRecord,
+    TurnStatus,
+)
 from turnstile.runtime import name_thread
 
 log = logging.getLogger("turnstile.recorder")
@@ -65,6 +79,25 @@ class RecorderStats:
     retokenized_turns: int = 0
     dropped: int = 0  # stays 0: work is refused up front, never dropped
     breaks_by_kind: dict[str, int] = field(default_factory=dict)
+    errors_total: int = 0  # failures of the writer (each also an `incident`)
+
+
+@dataclass(frozen=True, slots=True)
+class Incident:
+    """The latest failure or quarantine, kept until an operator acknowledges it."""
+
+    message: str
+    first_at: float  # when the first unacknowledged incident happened (time.time())
+    last_at: float
+    count: int  # incidents since the last acknowledgement
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "message": self.message,
+            "first_at": self.first_at,
+            "last_at": self.last_at,
+            "count": self.count,
+        }
 
 
 _STOP = object()
@@ -91,6 +124,10 @@ class Recorder:
         self._thread = threading.Thread(target=self._run, name="turnstile-writer", daemon=True)
         self.stats = RecorderStats()
         self.error: str | None = None
+        self._incident: Incident | None = None
+        self._quarantined_seen = 0  # rows the sink had quarantined at the last look
+        self._sink_quarantined: dict[str, int] = {}  # quarantined by the sink (conversion)
+        self._own_quarantined: dict[str, int] = {}  # quarantined here (retokenize, stitch)
 
     # -- event-loop side -------------------------------------------------------------
     def start(self) -> None:
@@ -103,6 +140,28 @@ class Recorder:
     @property
     def healthy(self) -> bool:
         return self.error is None and self._thread.is_alive()
+
+    @property
+    def incident(self) -> Incident | None:
+        """The latest unacknowledged failure or quarantine, if any."""
+        return self._incident
+
+    def acknowledge(self) -> Incident | None:
+        """An operator has seen the incident: clear it (the counters stay); returns it."""
+        with self._lock:
+            incident, self._incident = self._incident, None
+        return incident
+
+    def _note_incident(self, message: str) -> None:
+        now = time.time()
+        with self._lock:
+            old = self._incident
+            self._incident = Incident(
+                message,
+                first_at=old.first_at if old else now,
+                last_at=now,
+                count=(old.count if old else 0) + 1,
+            )
 
     def admit(self) -> None:
         """Refuse new work (503) while the writer is behind or failing."""
@@ -181,6 +240,27 @@ class Recorder:
         if self._awaiting:
             self._release()
 
+    def _check_quarantine(self) -> None:
+        """Note the rows the sink quarantined since the last look."""
+        progress = self._sink.progress()
+        total = sum(progress.quarantined.values())
+        if total == self._quarantined_seen:
+            return
+        new, self._quarantined_seen = total - self._quarantined_seen, total
+        for table, count in progress.quarantined.items():
+            self._sink_quarantined[table] = count
+        self._note_incident(
+            f"{new} rows quarantined (see the quarantine table): {progress.quarantine_reason}"
+        )
+
+    @property
+    def quarantined(self) -> dict[str, int]:
+        """Rows quarantined in this run, by the table they were meant for."""
+        counts = dict(self._sink_quarantined)
+        for table, count in self._own_quarantined.items():
+            counts[table] = counts.get(table, 0) + count
+        return counts
+
     def _release(self) -> None:
         """Drop the pins of work whose rows are all published."""
         progress = self._sink.progress()
@@ -200,19 +280,41 @@ class Recorder:
             fn(arg)
         except Exception as exc:
             self.error = str(exc)
+            self.stats.errors_total += 1
+            self._note_incident(self.error)
             log.exception("recording failed")
             return False
+        finally:
+            self._check_quarantine()
         if self.error is not None:
+            # Writing works again; the incident stays until an operator acknowledges it.
             log.info("recording recovered after: %s", self.error)
             self.error = None
         return True
 
     def _write_turns(self, records: list[TurnRecord]) -> None:
+        kept, held = [], []
         for record in records:
             if record.token_source is TokenSource.NONE and record.status is not TurnStatus.ERROR:
-                self._retokenize(record)
-        self._sink.write_turns(records)
-        self.stats.turns_written += len(records)
+                try:
+                    self._retokenize(record)
+                except Exception as exc:
+                    log.exception("retokenizing turn %s failed", record.turn_id)
+                    held.append(quarantine("turns", record, f"cannot retokenize: {exc!r}"))
+                    continue
+            kept.append(record)
+        if held:
+            self._quarantine(held)
+        self._sink.write_turns(kept)
+        self.stats.turns_written += len(kept)
+
+    def _quarantine(self, held: list[QuarantineRecord]) -> None:
+        """Send rows the writer could not make to the quarantine table."""
+        self._sink.write_quarantine(held)
+        for q in held:
+            self._own_quarantined[q.table] = self._own_quarantined.get(q.table, 0) + 1
+            log.error("QUARANTINED a %s row of rollout %s: %s", q.table, q.rollout_id, q.reason)
+        self._note_incident(f"{len(held)} rows quarantined: {held[-1].table}: {held[-1].reason}")
 
     def _retokenize(self, record: TurnRecord) -> None:
         tok = self._tokenizer
@@ -255,7 +357,17 @@ class Recorder:
             )
 
     def _write_seal(self, job: SealJob) -> None:
-        samples = stitch(job.info, job.turns, self._tokenizer)
+        try:
+            samples = stitch(job.info, job.turns, self._tokenizer)
+        except Exception as exc:
+            # The turns are in the turns table; what is held back is only their stitching.
+            log.exception("stitching rollout %s failed", job.info.rollout_id)
+            record = {
+                "rollout_id": job.info.rollout_id,
+                "turns": [[t.turn_id, t.turn_index, t.choice_index] for t in job.turns],
+            }
+            self._quarantine([quarantine("samples", record, f"cannot stitch: {exc!r}")])
+            samples = []
         breaks = 0
         for sample in samples:
             kind = sample.break_kind.value

@@ -1,7 +1,8 @@
 """The Parquet schema of Turnstile's output, declared once and versioned.
 
-Every column of the three tables (`turns`, `samples`, `rollouts`) is described exactly
-once, in the `Column` tuples below. Those tuples build the `pyarrow` schemas, the Parquet
+Every column of the three data tables (`turns`, `samples`, `rollouts`) and of the
+`quarantine` table (rows that could not be written, kept with the reason) is described
+exactly once, in the `Column` tuples below. Those tuples build the `pyarrow` schemas, the Parquet
 write options (which columns get dictionary encoding and statistics) and the Markdown
 reference (`schema_markdown`). Trainers code against these column names, so any change
 to a name, a type or a meaning must bump `SCHEMA_VERSION`.
@@ -23,15 +24,27 @@ import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 
-from turnstile.records import Reward, RolloutRecord, SampleRecord, TurnRecord, TurnSpan
+from turnstile.records import (
+    QuarantineRecord,
+    Reward,
+    RolloutRecord,
+    SampleRecord,
+    TurnRecord,
+    TurnSpan,
+)
 
 SCHEMA_VERSION: Final[int] = 2
 # Versions a reader of this version reads: version 1 lacks the turns' `backend` and
 # `backend_failover_from` columns, which read as null.
 READABLE_SCHEMA_VERSIONS: Final[frozenset[int]] = frozenset({1, 2})
 
-TableName = Literal["turns", "samples", "rollouts"]
+TableName = Literal["turns", "samples", "rollouts", "quarantine"]
+# The data tables a trainer reads.
 TABLES: Final[tuple[TableName, ...]] = ("turns", "samples", "rollouts")
+# Rows of the data tables that could not be written, each with its reason and the record
+# itself: kept beside them, never dropped (`turnstile.output.quarantine`).
+QUARANTINE: Final = "quarantine"
+ALL_TABLES: Final[tuple[TableName, ...]] = (*TABLES, QUARANTINE)
 
 META_PREFIX: Final[str] = "turnstile."
 META_SCHEMA_VERSION: Final[str] = "turnstile.schema_version"
@@ -239,10 +252,29 @@ ROLLOUTS_COLUMNS: Final[tuple[Column, ...]] = (
     Column("max_policy_version", _I64, True, "Largest of `policy_versions`."),
 )
 
+QUARANTINE_COLUMNS: Final[tuple[Column, ...]] = (
+    Column("quarantined_at", _TS, False, "When the row was quarantined (UTC)."),
+    Column("table", _STR, False, "The table the row was meant for: `turns`, `samples`, ..."),
+    Column("rollout_id", _STR, True, "Rollout of the row, when known.", text=True),
+    Column("turn_id", _STR, True, "Turn id of a `turns` row.", text=True),
+    Column("choice_index", _I64, True, "Choice index of a `turns` row."),
+    Column("sample_index", _I64, True, "Sample index of a `samples` row."),
+    Column("reason", _STR, False, "Why the row could not be written.", text=True),
+    Column(
+        "record_format",
+        _STR,
+        False,
+        "How `record` is encoded: `journal` (a turn's journal frame payload, "
+        "`turnstile.journal.codec.decode_turn`) or `json`.",
+    ),
+    Column("record", pa.large_binary(), False, "The row as it was to be written."),
+)
+
 COLUMNS: Final[Mapping[TableName, tuple[Column, ...]]] = {
     "turns": TURNS_COLUMNS,
     "samples": SAMPLES_COLUMNS,
     "rollouts": ROLLOUTS_COLUMNS,
+    "quarantine": QUARANTINE_COLUMNS,
 }
 
 
@@ -270,10 +302,12 @@ def _schema(table: TableName) -> pa.Schema:
 TURNS_SCHEMA: Final[pa.Schema] = _schema("turns")
 SAMPLES_SCHEMA: Final[pa.Schema] = _schema("samples")
 ROLLOUTS_SCHEMA: Final[pa.Schema] = _schema("rollouts")
+QUARANTINE_SCHEMA: Final[pa.Schema] = _schema("quarantine")
 SCHEMAS: Final[Mapping[TableName, pa.Schema]] = {
     "turns": TURNS_SCHEMA,
     "samples": SAMPLES_SCHEMA,
     "rollouts": ROLLOUTS_SCHEMA,
+    "quarantine": QUARANTINE_SCHEMA,
 }
 
 
@@ -295,7 +329,7 @@ def _type_text(arrow_type: pa.DataType) -> str:
 def schema_markdown() -> str:
     """A Markdown reference of every table, column, type and meaning."""
     lines = [f"Schema version {SCHEMA_VERSION}.", ""]
-    for table in TABLES:
+    for table in ALL_TABLES:
         lines += [f"### `{table}`", "", "| column | type | null | meaning |", "|---|---|---|---|"]
         for c in COLUMNS[table]:
             type_text = _type_text(c.type)
@@ -587,3 +621,21 @@ def rollouts_table(
         ),
     }
     return _table("rollouts", arrays, identity)
+
+
+def quarantine_table(
+    records: Sequence[QuarantineRecord], *, identity: Mapping[str, str] | None = None
+) -> pa.Table:
+    """The `quarantine` table for `records`, one row per record."""
+    arrays = {
+        "quarantined_at": _timestamps([r.quarantined_at for r in records]),
+        "table": _strings([r.table for r in records]),
+        "rollout_id": _strings([r.rollout_id for r in records]),
+        "turn_id": _strings([r.turn_id for r in records]),
+        "choice_index": pa.array([r.choice_index for r in records], type=pa.int64()),
+        "sample_index": pa.array([r.sample_index for r in records], type=pa.int64()),
+        "reason": _strings([r.reason for r in records]),
+        "record_format": _strings([r.record_format for r in records]),
+        "record": pa.array([r.record for r in records], type=pa.large_binary()),
+    }
+    return _table("quarantine", arrays, identity)

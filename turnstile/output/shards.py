@@ -43,11 +43,14 @@ import pyarrow.parquet as pq
 
 from turnstile.journal.fsync import fsync_path
 from turnstile.limits import OUTPUT_FILE_MODE
+from turnstile.output.quarantine import CONVERSION_ERRORS, isolate, quarantine
 from turnstile.output.schema import (
+    ALL_TABLES,
     META_WRITER,
-    TABLES,
+    QUARANTINE,
     TableName,
     dictionary_columns,
+    quarantine_table,
     rollouts_table,
     samples_table,
     schema_metadata,
@@ -55,7 +58,7 @@ from turnstile.output.schema import (
     turns_table,
 )
 from turnstile.reader import MANIFEST_DIR, MANIFEST_SUFFIX, MANIFEST_VERSION
-from turnstile.records import RolloutRecord, SampleRecord, TurnRecord
+from turnstile.records import QuarantineRecord, RolloutRecord, SampleRecord, TurnRecord
 
 # A turn row with 2,000 prompt and 500 completion tokens is about 10 KiB of token data
 # before compression, so 4,096 rows make shards of a few tens of MiB: large enough for
@@ -96,6 +99,10 @@ class Sink(Protocol):
 
     def write_rollouts(self, records: Sequence[RolloutRecord]) -> None: ...
 
+    def write_quarantine(self, records: Sequence[QuarantineRecord]) -> None:
+        """Rows the writer could not make into records of their table, with the reason."""
+        ...
+
     def maybe_roll(self, now: float | None = None) -> None:
         """Publish the buffers that are full or older than the age limit."""
         ...
@@ -118,14 +125,17 @@ class SinkProgress:
     """How far a sink has got, per table, as row counts since it was opened.
 
     Rows are published in the order they were written, so every row written while
-    `accepted[t]` was N is published once `settled[t] >= N`. Settled rows are published,
-    or (never retried) dropped because they could not be converted to Arrow; the sink's
-    error says so. The recorder uses this to tell when the journal frames behind a
-    record may be removed.
+    `accepted[t]` was N is published once `settled[t] >= N`. Settled rows are in a
+    published shard of their table, or in a published shard of the quarantine (they
+    could not be converted to Arrow; `quarantined[t]` counts them and
+    `quarantine_reason` gives the latest reason). The recorder uses this to tell when the
+    journal frames behind a record may be removed, and to report quarantined rows.
     """
 
     accepted: Mapping[str, int]
     settled: Mapping[str, int]
+    quarantined: Mapping[str, int] = field(default_factory=dict)
+    quarantine_reason: str | None = None
 
     def covers(self, marks: Mapping[str, int]) -> bool:
         """Whether every row counted in `marks` (an earlier `accepted`) is settled."""
@@ -137,7 +147,19 @@ _BUILDERS: Final[Mapping[TableName, _Builder]] = {
     "turns": turns_table,
     "samples": samples_table,
     "rollouts": rollouts_table,
+    "quarantine": quarantine_table,
 }
+
+
+class _Settled:
+    """Stands in a buffer for a row already in a published shard (of its table or of the
+    quarantine), so the row still counts in its table's order, and is not published
+    again, when the rest of its chunk is."""
+
+    __slots__ = ()
+
+
+_SETTLED: Final = _Settled()
 
 
 @dataclass(slots=True)
@@ -173,8 +195,10 @@ class ParquetShardSink:
 
     If writing fails with an `OSError`, the staged file is removed, nothing is
     published, the records stay buffered for the next attempt and `SinkError` is
-    raised. Records that cannot be converted to Arrow at all are dropped (retrying
-    cannot help) and `SinkError` says so.
+    raised. A record that cannot be converted to Arrow (retrying cannot help) is
+    isolated from its chunk and published to the `quarantine` table with the reason;
+    the rest of the chunk is published as usual, and `progress()` counts the
+    quarantined rows. Nothing is ever dropped.
     """
 
     def __init__(
@@ -203,14 +227,16 @@ class ParquetShardSink:
         self.max_age_s = max_age_s
         self.fsync = fsync
         self._identity = identity
-        self._buffers: dict[TableName, _Buffer] = {t: _Buffer() for t in TABLES}
+        self._buffers: dict[TableName, _Buffer] = {t: _Buffer() for t in ALL_TABLES}
         self._seq = 0
         self._last_ms = 0
         self._closed = False
         self.shards_published = 0
-        self.rows_published: dict[TableName, int] = dict.fromkeys(TABLES, 0)
-        self._accepted: dict[str, int] = dict.fromkeys(TABLES, 0)
-        self._settled: dict[str, int] = dict.fromkeys(TABLES, 0)
+        self.rows_published: dict[TableName, int] = dict.fromkeys(ALL_TABLES, 0)
+        self._accepted: dict[str, int] = dict.fromkeys(ALL_TABLES, 0)
+        self._settled: dict[str, int] = dict.fromkeys(ALL_TABLES, 0)
+        self._quarantined: dict[str, int] = {}
+        self._quarantine_reason: str | None = None
         self._staging = self.output_dir / STAGING_DIR
         # This writer's published shards by "table/name" (None: no manifest is kept).
         self._manifest: dict[str, dict[str, Any]] | None = {} if manifest else None
@@ -226,7 +252,7 @@ class ParquetShardSink:
     def _prepare_dirs(self) -> None:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self._staging.mkdir(exist_ok=True)
-        for table in TABLES:
+        for table in ALL_TABLES:
             (self.output_dir / table).mkdir(exist_ok=True)
         for staged in self._staging.iterdir():
             match = _STAGED_RE.fullmatch(staged.name)
@@ -239,7 +265,7 @@ class ParquetShardSink:
                 rf"{re.escape(SHARD_PREFIX)}\d{{13}}-{re.escape(self.writer_id)}-\d{{6,}}"
                 rf"{re.escape(SHARD_SUFFIX)}"
             )
-            for table in TABLES:
+            for table in ALL_TABLES:
                 for path in (self.output_dir / table).glob(SHARD_GLOB):
                     if own.fullmatch(path.name):
                         self._manifest[f"{table}/{path.name}"] = {
@@ -298,6 +324,9 @@ class ParquetShardSink:
     def write_rollouts(self, records: Sequence[RolloutRecord]) -> None:
         self._write("rollouts", records)
 
+    def write_quarantine(self, records: Sequence[QuarantineRecord]) -> None:
+        self._write(QUARANTINE, records)
+
     def maybe_roll(self, now: float | None = None) -> None:
         """Publish full buffers and buffers older than `max_age_s`.
 
@@ -337,7 +366,12 @@ class ParquetShardSink:
                 self._write_manifest()
 
     def progress(self) -> SinkProgress:
-        return SinkProgress(dict(self._accepted), dict(self._settled))
+        return SinkProgress(
+            dict(self._accepted),
+            dict(self._settled),
+            dict(self._quarantined),
+            self._quarantine_reason,
+        )
 
     # ------------------------------------------------------------ internals
 
@@ -363,49 +397,118 @@ class ParquetShardSink:
             self._publish_chunk(table)
 
     def _publish_each(self, tables: Sequence[TableName]) -> None:
-        first: SinkError | None = None
+        """Publish every buffered row of `tables`; one table failing does not stop the
+        others, and the error names every failure."""
+        failures: list[SinkError] = []
         for table in tables:
             try:
                 while self._buffers[table].records:
                     self._publish_chunk(table)
             except SinkError as e:
-                first = first or e
-        if first is not None:
-            raise first
+                failures.append(e)
+        if len(failures) == 1:
+            raise failures[0]
+        if failures:
+            raise SinkError("; ".join(str(e) for e in failures)) from failures[0]
 
     def _publish_chunk(self, table: TableName) -> None:
         buffer = self._buffers[table]
         chunk = buffer.records[: self.max_rows]
+        rows = [r for r in chunk if r is not _SETTLED]
         identity = self._shard_identity()
-        try:
-            arrow = _BUILDERS[table](chunk, identity=identity)
-        except (ValueError, TypeError, AttributeError, OverflowError, pa.ArrowException) as e:
-            self._consume(buffer, len(chunk))
-            self._settled[table] += len(chunk)
-            raise SinkError(
-                f"cannot convert {len(chunk)} {table} records to Arrow; they are dropped: {e}"
-            ) from e
-        final = self._publish_table(table, arrow)
-        if self._manifest is not None:
-            with contextlib.suppress(OSError):
-                self._manifest[f"{table}/{final.name}"] = {
-                    "table": table,
-                    "name": final.name,
-                    "bytes": final.stat().st_size,
-                }
-            self._write_manifest()
-        self._consume(buffer, len(chunk))
-        self.shards_published += 1
-        self.rows_published[table] += len(chunk)
-        if self.fsync:
+        build = _BUILDERS[table]
+        parts: list[tuple[Sequence[Any], pa.Table]] = []
+        if rows:
             try:
-                fsync_path(final.parent)
-            except OSError as e:
-                # Not settled: the journal keeps these rows until a restart re-publishes.
-                raise SinkError(
-                    f"published {final} but cannot sync its directory: {_describe(e)}"
-                ) from e
+                parts = [(rows, build(rows, identity=identity))]
+            except CONVERSION_ERRORS:
+                if table == QUARANTINE:
+                    raise SinkError(
+                        f"cannot convert {len(rows)} quarantine rows to Arrow; they stay buffered"
+                    ) from None
+                parts = self._quarantine_bad_rows(table, chunk, rows, identity)
+        for part, arrow in parts:
+            final = self._publish_table(table, arrow)
+            self._remember(table, final)
+            self.shards_published += 1
+            self.rows_published[table] += len(part)
+            if len(parts) > 1:  # a failure after this part must not publish it again
+                self._mark_settled(table, chunk, part)
+            if self.fsync:
+                try:
+                    fsync_path(final.parent)
+                except OSError as e:
+                    # Not settled: the journal keeps these rows until a restart
+                    # re-publishes them.
+                    self._consume(buffer, len(chunk))
+                    raise SinkError(
+                        f"published {final} but cannot sync its directory: {_describe(e)}"
+                    ) from e
+        self._consume(buffer, len(chunk))
         self._settled[table] += len(chunk)
+
+    def _quarantine_bad_rows(
+        self, table: TableName, chunk: list[Any], rows: list[Any], identity: dict[str, str]
+    ) -> list[tuple[Sequence[Any], pa.Table]]:
+        """Publish the rows of `chunk` that cannot be converted to the quarantine, mark
+        them in the buffer, and return the others as tables to publish.
+
+        The quarantine shard is published before the buffer changes: if that fails,
+        nothing changed and the next attempt isolates the same rows again. The good rows
+        go out as one shard where they convert together (as good as always).
+        """
+        build = _BUILDERS[table]
+        parts, bad = isolate(rows, lambda part: build(part, identity=identity))
+        if bad:
+            held = [quarantine(table, row, f"cannot convert to Arrow: {why}") for row, why in bad]
+            try:
+                arrow = quarantine_table(held, identity=identity)
+            except CONVERSION_ERRORS as e:  # quarantine rows are made safe: a bug
+                raise SinkError(f"cannot quarantine {len(held)} {table} rows: {e}") from e
+            final = self._publish_table(QUARANTINE, arrow)
+            self._remember(QUARANTINE, final)
+            self.shards_published += 1
+            self.rows_published[QUARANTINE] += len(held)
+            self._accepted[QUARANTINE] += len(held)
+            self._settled[QUARANTINE] += len(held)
+            self._quarantined[table] = self._quarantined.get(table, 0) + len(held)
+            self._quarantine_reason = f"{table}: {held[-1].reason}"
+            self._mark_settled(table, chunk, [row for row, _ in bad])
+            for record in held:
+                log.error(
+                    "QUARANTINED a %s row (rollout %s, turn %s, choice %s, sample %s): %s",
+                    table,
+                    record.rollout_id,
+                    record.turn_id,
+                    record.choice_index,
+                    record.sample_index,
+                    record.reason,
+                )
+        good = [row for part, _ in parts for row in part]
+        if len(parts) > 1:
+            with contextlib.suppress(*CONVERSION_ERRORS):
+                return [(good, build(good, identity=identity))]
+        return parts
+
+    def _mark_settled(self, table: TableName, chunk: list[Any], rows: Sequence[Any]) -> None:
+        """Stand `_SETTLED` in for `rows` (already in a shard) in the buffer of `table`."""
+        settled = {id(row) for row in rows}
+        records = self._buffers[table].records
+        for i, record in enumerate(chunk):
+            if id(record) in settled:
+                records[i] = _SETTLED
+
+    def _remember(self, table: TableName, final: Path) -> None:
+        """Add a published shard to this writer's manifest."""
+        if self._manifest is None:
+            return
+        with contextlib.suppress(OSError):
+            self._manifest[f"{table}/{final.name}"] = {
+                "table": table,
+                "name": final.name,
+                "bytes": final.stat().st_size,
+            }
+        self._write_manifest()
 
     def _shard_identity(self) -> dict[str, str]:
         identity = {**self._identity, META_WRITER: self.writer_id}

@@ -214,10 +214,18 @@ def create_app(
             if publisher is not None:  # the last shards go to the store (or stay staged)
                 await asyncio.to_thread(publisher.stop)
             await asyncio.to_thread(wal.close)
-            if finished and recorder.error is None:
-                # Everything journaled is published: the next start has nothing to rebuild.
+            if finished and recorder.error is None and recorder.oldest_pin is None:
+                # Every journaled row is in a published shard or in the quarantine: the
+                # next start has nothing to rebuild. Work that failed in this run keeps
+                # its pin, and then the journal stays for the next start.
                 for _, segment in list_segments(journal_dir):
                     segment.unlink()
+            elif finished:
+                log.warning(
+                    "the journal in %s is kept: some of its rows are not in published "
+                    "shards; the next start (or `turnstile recover`) publishes them",
+                    journal_dir,
+                )
             log.info(
                 "shut down: sealed %d open rollouts as interrupted; %d turns written%s",
                 sealed,

@@ -316,6 +316,26 @@ class _StateCollector(Collector):
         yield counter(
             "turnstile_dropped", "Work dropped (stays 0: work is refused up front).", stats.dropped
         )
+        yield counter(
+            "turnstile_recorder_errors",
+            "Failures of the writer thread (each also an incident until acknowledged).",
+            stats.errors_total,
+        )
+        yield gauge(
+            "turnstile_recorder_incident",
+            "1 while a recorder failure or quarantine is unacknowledged "
+            "(POST /admin/recorder/ack clears it).",
+            float(recorder.incident is not None),
+        )
+        held = CounterMetricFamily(
+            "turnstile_quarantined_rows",
+            "Rows written to the quarantine table instead of their own, by that table.",
+            labels=["table"],
+        )
+        quarantined = recorder.quarantined
+        for table in sorted({"turns", "samples", "rollouts"} | set(quarantined)):
+            held.add_metric([table], quarantined.get(table, 0))
+        yield held
         breaks = CounterMetricFamily(
             "turnstile_stitch_breaks",
             "Samples that start at a stitching break, by kind.",

@@ -130,12 +130,17 @@ def add_routes(
         recorder = proxy.recorder
         journal_ok = proxy.journal.healthy
         ok = recorder.healthy and journal_ok and not proxy.draining
+        incident = recorder.incident
+        status = "ok" if incident is None else "degraded"
         body = {
-            "status": "ok" if ok else ("draining" if proxy.draining else "unhealthy"),
+            "status": status if ok else ("draining" if proxy.draining else "unhealthy"),
             "recorder": {
                 "healthy": recorder.healthy,
                 "error": recorder.error,
                 "backlog": recorder.backlog,
+                # Stays until acknowledged (POST /admin/recorder/ack): serving goes on.
+                "incident": None if incident is None else incident.as_dict(),
+                "quarantined": recorder.quarantined,
             },
             "journal": {"healthy": journal_ok, **_journal_usage(proxy)},
             "open_rollouts": proxy.registry.open_count,
@@ -155,6 +160,11 @@ def add_routes(
             "rollouts_written": s.rollouts_written,
             "retokenized_turns": s.retokenized_turns,
             "dropped": s.dropped,
+            "quarantined": proxy.recorder.quarantined,
+            "recorder_errors": s.errors_total,
+            "recorder_incident": (
+                None if proxy.recorder.incident is None else proxy.recorder.incident.as_dict()
+            ),
             "breaks_by_kind": dict(s.breaks_by_kind),
             "open_rollouts": proxy.registry.open_count,
             "open_rollout_bytes": proxy.registry.held_bytes,
@@ -216,6 +226,15 @@ def add_routes(
         await proxy.set_policy_version(body.policy_version)
         log.info("policy version set to %d", body.policy_version)
         return {"policy_version": proxy.policy_version}
+
+    @router.post("/admin/recorder/ack", tags=["admin"])
+    async def acknowledge_incident() -> dict[str, Any]:
+        """An operator has seen the recorder's incident (a failure or quarantined rows):
+        clear it from /health, /stats and /metrics. The counters stay."""
+        incident = proxy.recorder.acknowledge()
+        if incident is not None:
+            log.info("recorder incident acknowledged: %s", incident.message)
+        return {"acknowledged": None if incident is None else incident.as_dict()}
 
     async def passthrough(request: Request) -> Response:
         path = passthrough_path(request.scope)
