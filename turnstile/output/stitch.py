@@ -11,9 +11,10 @@ merged through a mismatch, and turns without exact backend token IDs never merge
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 import numpy as np
 import orjson
@@ -190,41 +191,178 @@ class RolloutInfo:
 def stitch(
     info: RolloutInfo, turns: Sequence[TurnRecord], tok: Detokenizer | None = None
 ) -> list[SampleRecord]:
-    """Turn a sealed rollout's turns into samples, never merging through a mismatch."""
+    """Turn a sealed rollout's turns into samples, never merging through a mismatch.
+
+    A turn extends the longest sample whose whole context is a prefix of its prompt
+    (the earliest sample among equals), unless that sample's last turn is the same call
+    (sibling choices branch) or either side lacks exact token IDs. A turn that extends
+    none starts a sample whose parent is the one sharing the longest prefix with it (the
+    longest, then the earliest, among equals). The cost is linear in turns and choices:
+    samples are found through a hash index of their contexts (see `_Index`), and the
+    samples that start with a call's prompt are tracked per call.
+    """
     ordered = sorted(turns, key=lambda t: (t.turn_index, t.choice_index))
     chains: list[_Chain] = []
+    index = _Index()
+    call: _Call | None = None
     for turn in ordered:
         if turn.status is TurnStatus.ERROR or len(turn.prompt_token_ids) == 0:
             continue
+        prompt = turn.prompt_token_ids
+        if call is None or not call.same(turn):
+            call = _Call(turn, chains)
         exact = turn.token_source is TokenSource.BACKEND
-        best: _Chain | None = None
-        for chain in chains:
-            if not (chain.exact and exact) or chain.last is None:
-                continue
-            if chain.last.turn_id == turn.turn_id:
-                continue
-            n = chain.length
-            if (
-                n <= len(turn.prompt_token_ids)
-                and np.array_equal(chain.context, turn.prompt_token_ids[:n])
-                and (best is None or n > best.length)
-            ):
-                best = chain
+        best = index.extendable(turn, call.hashes, exact) if exact else None
         if best is not None:
+            index.remove(best)
             best.append(turn)
+            index.add(best, call.extend_hash(best, turn))
+            call.touched(best)
             continue
         new = _Chain(index=len(chains))
         if chains:
-            parent = max(
-                chains,
-                key=lambda c: (_common_prefix(c.context, turn.prompt_token_ids), c.length),
+            parent = (
+                call.longest_prefix if call.longest_prefix is not None else _parent(chains, prompt)
             )
             new.break_kind, new.break_position, new.break_detail = classify_break(parent, turn, tok)
             new.parent = parent.index
         new.exact = exact
         new.append(turn)
         chains.append(new)
+        index.add(new, call.extend_hash(new, turn))
+        call.touched(new)
     return [_to_sample(info, c) for c in chains]
+
+
+def _parent(chains: Sequence[_Chain], prompt: np.ndarray) -> _Chain:
+    """The chain sharing the longest prefix with `prompt`; the longest, then the earliest,
+    among equals. The most recent chains are looked at first: they usually share the
+    most, and a chain too short to beat the best so far is not compared at all."""
+    best: _Chain | None = None
+    best_key = (-1, -1)
+    for chain in reversed(chains):
+        bound = min(chain.length, len(prompt))
+        if bound < best_key[0] or (bound == best_key[0] and chain.length < best_key[1]):
+            continue
+        key = (_common_prefix(chain.context, prompt), chain.length)
+        if key >= best_key:  # equal keys: the earlier chain wins, as it comes later here
+            best, best_key = chain, key
+    assert best is not None
+    return best
+
+
+# A 64-bit polynomial hash of token sequences (mod 2**64): the base is odd and large, so
+# every power is odd and sequences of equal length rarely collide; a match is always
+# confirmed token by token, so a collision can cost time, never a wrong merge.
+_HASH_BASE: Final = np.uint64(0x9E3779B97F4A7C15)
+_HASH_MASK: Final = 2**64 - 1
+_powers = np.ones(1, dtype=np.uint64)
+
+
+def _hash_powers(n: int) -> np.ndarray:
+    """base**0 .. base**(n-1) (mod 2**64), grown and kept for later calls."""
+    global _powers
+    if len(_powers) < n:
+        grown = np.full(max(n, 2 * len(_powers)), _HASH_BASE, dtype=np.uint64)
+        grown[0] = 1
+        _powers = np.cumprod(grown, dtype=np.uint64)
+    return _powers[:n]
+
+
+def _weighted(ids: np.ndarray, start: int) -> np.ndarray:
+    """Each token's (id + 1) * base**position, for positions from `start`."""
+    weighted: np.ndarray = (ids.astype(np.uint64) + np.uint64(1)) * _hash_powers(start + len(ids))[
+        start:
+    ]
+    return weighted
+
+
+def prefix_hashes(ids: np.ndarray) -> np.ndarray:
+    """h[k] = the hash of ids[:k], for k = 0 .. len(ids)."""
+    out = np.zeros(len(ids) + 1, dtype=np.uint64)
+    np.cumsum(_weighted(ids, 0), dtype=np.uint64, out=out[1:])
+    return out
+
+
+class _Call:
+    """One backend call's turns (its choices share a prompt) while they are stitched:
+    the prompt's prefix hashes, and the longest chain whose context starts with the
+    prompt (every chain a choice of this call touched, and any earlier one)."""
+
+    def __init__(self, turn: TurnRecord, chains: Sequence[_Chain]) -> None:
+        self.turn_id = turn.turn_id
+        self.prompt = turn.prompt_token_ids
+        self.hashes = prefix_hashes(self.prompt)
+        self.longest_prefix: _Chain | None = None
+        n = len(self.prompt)
+        for chain in chains:
+            if chain.length >= n and np.array_equal(chain.context[:n], self.prompt):
+                self.touched(chain)
+
+    def same(self, turn: TurnRecord) -> bool:
+        return turn.turn_id == self.turn_id and np.array_equal(turn.prompt_token_ids, self.prompt)
+
+    def touched(self, chain: _Chain) -> None:
+        """`chain`'s context now starts with this call's prompt."""
+        best = self.longest_prefix
+        if best is None or (chain.length, -chain.index) > (best.length, -best.index):
+            self.longest_prefix = chain
+
+    def extend_hash(self, chain: _Chain, turn: TurnRecord) -> int:
+        """The hash of `chain`'s context, which is now this call's prompt + `turn`'s
+        completion."""
+        n = len(self.prompt)
+        tail = _weighted(turn.completion_token_ids, n).sum(dtype=np.uint64)
+        return (int(self.hashes[n]) + int(tail)) & _HASH_MASK
+
+
+class _Index:
+    """Chains by the length and hash of their context, to find the chain a prompt
+    extends with one hash look-up per distinct chain length (longest first)."""
+
+    def __init__(self) -> None:
+        self._chains: dict[tuple[int, int], list[_Chain]] = {}
+        self._keys: dict[int, tuple[int, int]] = {}  # chain index -> its key
+        self._lengths: list[int] = []  # distinct context lengths, ascending
+        self._count: dict[int, int] = {}  # chains per length
+
+    def add(self, chain: _Chain, context_hash: int) -> None:
+        key = (chain.length, context_hash)
+        self._chains.setdefault(key, []).append(chain)
+        self._keys[chain.index] = key
+        if self._count.get(chain.length, 0) == 0:
+            bisect.insort(self._lengths, chain.length)
+        self._count[chain.length] = self._count.get(chain.length, 0) + 1
+
+    def remove(self, chain: _Chain) -> None:
+        key = self._keys.pop(chain.index)
+        same = self._chains[key]
+        same.remove(chain)
+        if not same:
+            del self._chains[key]
+        self._count[key[0]] -= 1
+        if self._count[key[0]] == 0:
+            del self._count[key[0]]
+            del self._lengths[bisect.bisect_left(self._lengths, key[0])]
+
+    def extendable(self, turn: TurnRecord, hashes: np.ndarray, exact: bool) -> _Chain | None:
+        """The longest exact chain whose context is a prefix of `turn`'s prompt and whose
+        last turn is another call; the earliest among equals."""
+        prompt = turn.prompt_token_ids
+        stop = bisect.bisect_right(self._lengths, len(prompt))
+        for length in reversed(self._lengths[:stop]):
+            found = [
+                chain
+                for chain in self._chains.get((length, int(hashes[length])), ())
+                if chain.exact
+                and exact
+                and chain.last is not None
+                and chain.last.turn_id != turn.turn_id
+                and np.array_equal(chain.context, prompt[:length])
+            ]
+            if found:
+                return min(found, key=lambda c: c.index)
+        return None
 
 
 def _to_sample(info: RolloutInfo, chain: _Chain) -> SampleRecord:
