@@ -14,6 +14,7 @@ status the client gets and an OpenAI-compatible `type`:
     ├── Conflict (409, conflict_error)          e.g. a turn on a sealed rollout
     ├── Unprocessable (422, invalid_request_error)
     ├── Overloaded (503, overloaded_error)      recorder queue full, shutting down
+    │   └── TooManyRequests (429, rate_limit_error)  the harness is too far ahead
     └── BackendError (502, backend_error)       the backend could not be used
         ├── BackendUnreachable (502)
         ├── BackendTimeout (504)
@@ -125,6 +126,13 @@ class Overloaded(TurnstileError):
 
     def headers(self) -> dict[str, str]:
         return {"Retry-After": str(self.retry_after_s)}
+
+
+class TooManyRequests(Overloaded):
+    """The client is ahead of what it may do now (admission control); retry later."""
+
+    status = 429
+    error_type = "rate_limit_error"
 
 
 class BackendError(TurnstileError):

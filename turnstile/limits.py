@@ -66,6 +66,15 @@ RECORDER_QUEUE_SIZE = 8192
 SHARD_MAX_ROWS = 4096
 # ...and no row waits longer than this to become visible to a trainer.
 SHARD_MAX_AGE_S = 30.0
+# A sealed rollout (one without a group, or the last of its group) is published at most
+# this long after it is sealed: a synchronous trainer waiting for a batch gets it within
+# a second. Seals within the window share one shard per table, so prompt publication
+# makes at most 2 shards per table and second, however many rollouts finish.
+PUBLISH_DELAY_S = 0.5
+# POST /admin/flush waits this long for the writer to publish what it was handed.
+ADMIN_FLUSH_TIMEOUT_S = 60.0
+# A GRPO group is a handful to a few hundred rollouts; a larger declared size is a typo.
+MAX_GROUP_SIZE = 65_536
 # How often the writer thread wakes to roll aged shards when idle.
 WRITER_TICK_S = 1.0
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import json
+import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, TypedDict
@@ -42,6 +43,10 @@ SHARD_GLOB: Final[str] = "part-*.parquet"
 MANIFEST_DIR: Final[str] = "_manifests"
 MANIFEST_SUFFIX: Final[str] = ".json"
 MANIFEST_VERSION: Final[int] = 1
+# How often `ShardReader.wait_for` looks for newly published shards: well under the
+# proxy's publish delay (0.5 s), and cheap (a directory listing and a filtered scan of
+# the rollouts table's id columns).
+WAIT_POLL_S: Final[float] = 0.1
 
 
 def open_uri(uri: str) -> tuple[pafs.FileSystem, str]:
@@ -347,6 +352,62 @@ class ShardReader:
             columns=columns,
         )
 
+    def wait_for(
+        self,
+        rollout_ids: Iterable[str] = (),
+        group_ids: Iterable[str] = (),
+        *,
+        timeout_s: float,
+        poll_s: float = WAIT_POLL_S,
+    ) -> pa.Table:
+        """The samples of these rollouts and of every rollout of these groups, once all
+        are published; `TimeoutError` (naming what is missing) after `timeout_s`.
+
+        A group is complete when as many of its rollouts are published as it declared
+        (`group_size` in `POST /rollouts`); a group that declared no size is complete
+        with its first published rollout. The proxy publishes a finished rollout, or the
+        last of a group, within its `publish_delay_s` (0.5 s by default).
+        """
+        wanted, groups = set(rollout_ids), set(group_ids)
+        if not wanted and not groups:
+            raise ValueError("name at least one rollout id or group id")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            found, missing = self._published(wanted, groups)
+            if not missing:
+                return self.dataset("samples").to_table(
+                    filter=pc.field("rollout_id").isin(sorted(found))
+                )
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"not published within {timeout_s} s: {', '.join(sorted(missing))}"
+                )
+            time.sleep(poll_s)
+
+    def _published(self, wanted: set[str], groups: set[str]) -> tuple[set[str], set[str]]:
+        """Rollout ids published among `wanted` and `groups`, and what is still missing
+        (`rollout X`, `group G (n of N)`)."""
+        terms = []
+        if wanted:
+            terms.append(pc.field("rollout_id").isin(sorted(wanted)))
+        if groups:
+            terms.append(pc.field("group_id").isin(sorted(groups)))
+        expression = terms[0] if len(terms) == 1 else terms[0] | terms[1]
+        rows = (
+            self.dataset("rollouts")
+            .to_table(columns=["rollout_id", "group_id", "group_size"], filter=expression)
+            .to_pylist()
+        )
+        found = {r["rollout_id"] for r in rows}
+        missing = {f"rollout {rid}" for rid in wanted - found}
+        for group in groups:
+            members = [r for r in rows if r["group_id"] == group]
+            sizes = [r["group_size"] for r in members if r["group_size"] is not None]
+            size = max(sizes) if sizes else None
+            if not members or (size is not None and len(members) < size):
+                missing.add(f"group {group} ({len(members)} of {size or '?'})")
+        return found, missing
+
     def quarantine(self, columns: Sequence[str] | None = None) -> pa.Table:
         """Rows that could not be written to their table, with the reason and the record
         (`turnstile.output.quarantine`); empty when nothing was quarantined."""
@@ -439,6 +500,13 @@ def list_parts(
     values = np.asarray(column.values.to_numpy(zero_copy_only=False), dtype=dtype)
     offsets = column.offsets.to_numpy()
     return values, offsets
+
+
+def sample_arrays_of(samples: pa.Table) -> Iterator[SampleArrays]:
+    """Each row of a `samples` table (as `ShardReader.wait_for` returns) as numpy arrays
+    plus its rewards and identifiers, like `ShardReader.sample_arrays`."""
+    for batch in samples.select(list(_SAMPLE_ARRAY_COLUMNS)).to_batches():
+        yield from _batch_arrays(batch)
 
 
 def _batch_arrays(batch: pa.RecordBatch) -> Iterator[SampleArrays]:

@@ -164,6 +164,7 @@ class RolloutRecord:
     created_at: float
     sealed_at: float
     policy_versions: list[int]
+    group_size: int | None = None  # declared when the rollout was created
 
 
 @dataclass(frozen=True, slots=True)

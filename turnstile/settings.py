@@ -131,9 +131,18 @@ class Settings(BaseModel):
     recorder_queue_size: int = Field(default=limits.RECORDER_QUEUE_SIZE, gt=0)
     shard_max_rows: int = Field(default=limits.SHARD_MAX_ROWS, gt=0)
     shard_max_age_s: float = Field(default=limits.SHARD_MAX_AGE_S, gt=0)
+    # A sealed rollout without a group, and a group once all its rollouts are sealed,
+    # is published within this long (seals meanwhile share the shards).
+    publish_delay_s: float = Field(default=limits.PUBLISH_DELAY_S, ge=0)
     max_rollout_bytes: int = Field(default=limits.MAX_ROLLOUT_BYTES, gt=0)
     max_open_rollout_bytes: int = Field(default=limits.MAX_OPEN_ROLLOUT_BYTES, gt=0)
     rollout_idle_timeout_s: float = Field(default=limits.ROLLOUT_IDLE_TIMEOUT_S, gt=0)
+    # Admission control (turnstile.proxy.admission): with the rollouts the trainer takes
+    # per policy version, new rollouts get 429 (or wait) once the harness is more than
+    # max_staleness versions of data ahead of the trainer. None: no limit.
+    max_open_rollouts_per_version: int | None = Field(default=None, ge=1)
+    max_staleness: int = Field(default=0, ge=0)
+    admission: Literal["refuse", "wait"] = "refuse"
     drain_timeout_s: float = Field(default=limits.DRAIN_TIMEOUT_S, ge=0)
 
     @model_validator(mode="before")

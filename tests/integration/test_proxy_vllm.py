@@ -397,7 +397,7 @@ def test_serve_command_publishes_everything_on_sigterm(
     assert rollout["rollout_id"] == "left-open" and rollout["status"] == "interrupted"
     assert not list((out / ".tmp").glob("*")), "a staged file was left behind"
     meta = reader.metadata("turns")[0]
-    assert meta["turnstile.schema_version"] == "2" and MODEL in meta["turnstile.model"]
+    assert meta["turnstile.schema_version"] == "3" and MODEL in meta["turnstile.model"]
 
 
 def _vllm_metric(base_url: str, name: str, label: str = "") -> float:

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.fakes_sink import make_rollout, make_sample, make_turn
-from turnstile.output.schema import SAMPLES_SCHEMA, samples_table
+from turnstile.output.schema import SAMPLES_SCHEMA, rollouts_table, samples_table
 from turnstile.output.shards import ParquetShardSink
 from turnstile.reader import (
     SchemaVersionError,
@@ -181,10 +181,22 @@ def _forge(out: Path, version: str | None) -> None:
 
 
 def test_newer_schema_version_is_refused(out: Path) -> None:
-    _forge(out, "3")
-    with pytest.raises(SchemaVersionError, match=r"newer schema version 3.*understands version 2"):
+    _forge(out, "4")
+    with pytest.raises(SchemaVersionError, match=r"newer schema version 4.*understands version 3"):
         open_output(out).samples()
     assert open_output(out).turns().num_rows == 3  # other tables are unaffected
+
+
+def test_version_2_rollouts_read_with_a_null_group_size(tmp_path: Path) -> None:
+    table = rollouts_table([make_rollout()]).drop_columns(["group_size"])
+    meta = {**table.schema.metadata, b"turnstile.schema_version": b"2"}
+    (tmp_path / "rollouts").mkdir()
+    pq.write_table(
+        table.replace_schema_metadata(meta),
+        tmp_path / "rollouts" / "part-0000000000001-old-000001.parquet",
+    )
+    rows = open_output(tmp_path).rollouts().to_pylist()
+    assert len(rows) == 1 and rows[0]["group_size"] is None
 
 
 def test_foreign_files_are_refused(tmp_path: Path) -> None:

@@ -35,4 +35,4 @@ def test_ci_proves_the_readme_quickstart() -> None:
     command, snippets = quickstart_blocks((ROOT / "README.md").read_text(encoding="utf-8"))
     assert command.endswith("turnstile demo")
     assert "'.[demo]'" in command  # the snippets' openai and httpx
-    assert len(snippets) == 2 and "finished_samples(rid)" in snippets[1]
+    assert len(snippets) == 2 and "wait_for([rid]" in snippets[1]

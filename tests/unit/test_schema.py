@@ -99,6 +99,7 @@ EXPECTED_SAMPLES = [
 EXPECTED_ROLLOUTS = [
     ("rollout_id", "string", False),
     ("group_id", "string", True),
+    ("group_size", "int32", True),
     ("task_id", "string", True),
     ("status", "string", False),
     ("rewards", REWARDS, False),
@@ -131,7 +132,7 @@ def _columns(schema: pa.Schema) -> list[tuple[str, str, bool]]:
 
 
 def test_schema_version_is_pinned() -> None:
-    assert SCHEMA_VERSION == 2
+    assert SCHEMA_VERSION == 3
 
 
 @pytest.mark.parametrize(
@@ -151,14 +152,14 @@ def test_columns_are_pinned(schema: pa.Schema, expected: list[tuple[str, str, bo
 def test_schemas_carry_version_and_table() -> None:
     for table in ALL_TABLES:
         meta = SCHEMAS[table].metadata
-        assert meta[b"turnstile.schema_version"] == b"2"
+        assert meta[b"turnstile.schema_version"] == b"3"
         assert meta[b"turnstile.table"] == table.encode()
 
 
 def test_identity_metadata_is_prefixed_and_cannot_override() -> None:
     meta = schema_metadata("samples", {"model": "m", "turnstile.tokenizer": "tok"})
     assert meta == {
-        "turnstile.schema_version": "2",
+        "turnstile.schema_version": "3",
         "turnstile.table": "samples",
         "turnstile.model": "m",
         "turnstile.tokenizer": "tok",

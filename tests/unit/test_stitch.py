@@ -164,3 +164,20 @@ def test_error_turns_are_skipped_and_aborted_turns_get_no_loss() -> None:
     assert s.input_ids.tolist() == [1, 2, 3, 4, 5]
     assert s.loss_mask.tolist() == [0, 1, 0, 0, 0]
     assert s.turn_statuses == ["ok", "aborted"]
+
+
+def test_interleaved_subagents_continue_their_own_lineage() -> None:
+    """A main agent and a subagent calling in turn on one rollout (Claude Code, opencode):
+    each call continues the sample whose context it extends, not the previous call."""
+    main, sub = [1, 2, 3], [7, 8]
+    turns = []
+    for i in range(3):
+        turns.append(turn(2 * i, main, [10 + i]))
+        main = [*main, 10 + i, 20 + i]
+        turns.append(turn(2 * i + 1, sub, [30 + i]))
+        sub = [*sub, 30 + i, 40 + i]
+    samples = stitch(INFO, turns, CharTokenizer())
+    assert len(samples) == 2
+    assert [s.turn_index for s in samples[0].turn_spans] == [0, 2, 4]
+    assert [s.turn_index for s in samples[1].turn_spans] == [1, 3, 5]
+    assert samples[1].break_kind is not BreakKind.FIRST and samples[1].parent_sample_index == 0

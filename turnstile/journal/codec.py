@@ -63,6 +63,7 @@ class RolloutCreated:
     metadata: dict[str, Any] | None  # JSON-compatible, as the client sent it
     implicit: bool
     created_at: float
+    group_size: int | None = None  # older frames have none
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,13 +271,15 @@ def _optional_str(header: dict[str, Any], key: str) -> str | None:
 
 # --- rollout events ----------------------------------------------------------------------
 def encode_rollout_created(event: RolloutCreated) -> bytes:
-    header = {
+    header: dict[str, Any] = {
         "rollout_id": event.rollout_id,
         "group_id": event.group_id,
         "task_id": event.task_id,
         "metadata": event.metadata,
         "implicit": event.implicit,
     }
+    if event.group_size is not None:
+        header["group_size"] = event.group_size
     return _pack(header, [_floats([event.created_at])])
 
 
@@ -292,6 +295,7 @@ def decode_rollout_created(data: bytes) -> RolloutCreated:
         metadata=_field(header, "metadata", dict, _NONE),
         implicit=_field(header, "implicit", bool),
         created_at=created_at,
+        group_size=_field(header, "group_size", int) if "group_size" in header else None,
     )
 
 

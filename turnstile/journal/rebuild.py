@@ -61,6 +61,7 @@ class RebuiltRollout:
             task_id=created.task_id if created else None,
             metadata=created.metadata if created else None,
             implicit=created.implicit if created else False,
+            group_size=created.group_size if created else None,
             status=sealed.status if sealed else RolloutStatus.OPEN,
             rewards=dict(self.rewards),
             turns=sorted(self.turns, key=lambda t: (t.turn_index, t.choice_index)),

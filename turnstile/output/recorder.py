@@ -36,7 +36,7 @@ import numpy as np
 import orjson
 
 from turnstile.errors import Overloaded
-from turnstile.limits import WRITER_TICK_S
+from turnstile.limits import PUBLISH_DELAY_S, WRITER_TICK_S
 from turnstile.output.quarantine import quarantine
 from turnstile.output.shards import Sink
 from turnstile.output.stitch import RolloutInfo, stitch
@@ -68,6 +68,8 @@ class SealJob:
     # after a crash: what of this rollout is already published
     skip_samples: frozenset[int] = frozenset()
     skip_rollout: bool = False
+    group_size: int | None = None
+    publish: bool = False  # publish within `publish_delay_s` (a finished rollout or group)
 
 
 @dataclass(slots=True)
@@ -103,6 +105,14 @@ class Incident:
 _STOP = object()
 
 
+class _Flush:
+    """Asks the writer to publish everything handed to it before; `done` is set then."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.ok = False
+
+
 class Recorder:
     def __init__(
         self,
@@ -111,8 +121,11 @@ class Recorder:
         max_backlog: int,
         tokenizer: LocalTokenizer | None = None,
         tick_s: float = WRITER_TICK_S,
+        publish_delay_s: float = PUBLISH_DELAY_S,
     ) -> None:
         self._sink = sink
+        self._publish_delay_s = publish_delay_s
+        self._publish_due: float | None = None  # time.monotonic() of the next prompt publish
         self._max_backlog = max_backlog
         self._tokenizer = tokenizer
         self._tick_s = tick_s
@@ -197,6 +210,12 @@ class Recorder:
         if pin is not None:
             self._pins[pin] = self._pins.get(pin, 0) + 1
 
+    def request_flush(self) -> _Flush:
+        """Publish everything handed over so far; wait on the result's `done`."""
+        flush = _Flush()
+        self._queue.put(flush)
+        return flush
+
     def stop(self, timeout_s: float) -> bool:
         """Publish everything received, then close the sink; False if it timed out."""
         self._queue.put(_STOP)
@@ -209,12 +228,16 @@ class Recorder:
         try:
             while True:
                 try:
-                    item = self._queue.get(timeout=self._tick_s)
+                    item = self._queue.get(timeout=self._wait_s())
                 except queue.Empty:
                     self._roll()
                     continue
                 if item is _STOP:
                     break
+                if isinstance(item, _Flush):
+                    item.ok = self._guard(self._publish_now, None)
+                    item.done.set()
+                    continue
                 assert isinstance(item, tuple)
                 work, pin = item
                 if isinstance(work, SealJob):
@@ -235,10 +258,24 @@ class Recorder:
             else:
                 self._release()
 
+    def _wait_s(self) -> float:
+        """How long the writer may wait for work: a tick, or until a publish is due."""
+        if self._publish_due is None:
+            return self._tick_s
+        return max(0.0, min(self._tick_s, self._publish_due - time.monotonic()))
+
     def _roll(self) -> None:
+        if self._publish_due is not None and time.monotonic() >= self._publish_due:
+            self._guard(self._publish_now, None)
         self._guard(self._sink.maybe_roll, time.time())
         if self._awaiting:
             self._release()
+
+    def _publish_now(self, _: object) -> None:
+        """Publish every buffered row now (a finished rollout or group, or a flush)."""
+        self._publish_due = None
+        self._sink.flush()
+        self._release()
 
     def _check_quarantine(self) -> None:
         """Note the rows the sink quarantined since the last look."""
@@ -375,6 +412,8 @@ class Recorder:
                 breaks += 1
                 self.stats.breaks_by_kind[kind] = self.stats.breaks_by_kind.get(kind, 0) + 1
         fresh = [x for x in samples if x.sample_index not in job.skip_samples]
+        if job.publish and self._publish_due is None:
+            self._publish_due = time.monotonic() + self._publish_delay_s
         if fresh:
             self._sink.write_samples(fresh)
         if job.skip_rollout:
@@ -395,6 +434,7 @@ class Recorder:
                     created_at=job.created_at,
                     sealed_at=job.sealed_at,
                     policy_versions=sorted({t.policy_version for t in job.turns}),
+                    group_size=job.group_size,
                 )
             ]
         )

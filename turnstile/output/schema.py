@@ -33,10 +33,11 @@ from turnstile.records import (
     TurnSpan,
 )
 
-SCHEMA_VERSION: Final[int] = 2
+SCHEMA_VERSION: Final[int] = 3
 # Versions a reader of this version reads: version 1 lacks the turns' `backend` and
-# `backend_failover_from` columns, which read as null.
-READABLE_SCHEMA_VERSIONS: Final[frozenset[int]] = frozenset({1, 2})
+# `backend_failover_from` columns, versions 1 and 2 the rollouts' `group_size`; they read
+# as null.
+READABLE_SCHEMA_VERSIONS: Final[frozenset[int]] = frozenset({1, 2, 3})
 
 TableName = Literal["turns", "samples", "rollouts", "quarantine"]
 # The data tables a trainer reads.
@@ -237,6 +238,12 @@ SAMPLES_COLUMNS: Final[tuple[Column, ...]] = (
 ROLLOUTS_COLUMNS: Final[tuple[Column, ...]] = (
     Column("rollout_id", _STR, False, "Rollout id."),
     Column("group_id", _STR, True, "Group of rollouts (e.g. GRPO group), if given."),
+    Column(
+        "group_size",
+        _I32,
+        True,
+        "Rollouts in the group, as declared when they were created; null if not declared.",
+    ),
     Column("task_id", _STR, True, "Task or prompt id, if given."),
     Column("status", _STR, False, "`finished`, `abandoned` or `interrupted`."),
     Column("rewards", REWARDS_TYPE, False, _REWARDS_DOC),
@@ -600,6 +607,7 @@ def rollouts_table(
     arrays = {
         "rollout_id": _strings([r.rollout_id for r in records]),
         "group_id": _strings([r.group_id for r in records]),
+        "group_size": pa.array([r.group_size for r in records], type=i32),
         "task_id": _strings([r.task_id for r in records]),
         "status": _strings([_text(r.status) for r in records]),
         "rewards": _rewards([r.rewards for r in records]),

@@ -46,6 +46,7 @@ from turnstile.limits import MAX_JSON_DEPTH, MAX_OPEN_ROLLOUT_BYTES, MAX_ROLLOUT
 from turnstile.output.recorder import Recorder, SealJob
 from turnstile.output.stitch import RolloutInfo
 from turnstile.proxy import sparse
+from turnstile.proxy.admission import Admission
 from turnstile.proxy.capture import (
     CHAT,
     CapturePlan,
@@ -142,8 +143,10 @@ class Proxy:
         on_seal: SealObserver | None = None,
         max_rollout_bytes: int = MAX_ROLLOUT_BYTES,
         max_open_rollout_bytes: int = MAX_OPEN_ROLLOUT_BYTES,
+        admission: Admission | None = None,
     ) -> None:
         self.backend = backend
+        self.admission = admission or Admission(None, 0, policy_version)
         self.recorder = recorder
         self.top_logprobs = top_logprobs
         self.journal = journal if journal is not None else TurnJournal()
@@ -158,6 +161,7 @@ class Proxy:
             new_id=new_rollout_id,
             max_rollout_bytes=max_rollout_bytes,
             max_open_bytes=max_open_rollout_bytes,
+            admit=self.admission.admit,
         )
         self._draining = False
         self.in_flight = 0
@@ -196,6 +200,7 @@ class Proxy:
             return
         if rebuilt.policy_version is not None:
             self._policy_version, self._policy_seq = rebuilt.policy_version, rebuilt.policy_seq
+            self.admission.restart_at(rebuilt.policy_version)
         if rebuilt.unpublished_turns:
             self.recorder.submit_turns(rebuilt.unpublished_turns, pin=rebuilt.unpublished_first_seq)
         for state in rebuilt.open_rollouts:
@@ -215,6 +220,7 @@ class Proxy:
         """Make `version` the policy version of new turns, durably (it survives a crash)."""
         seq = self.journal.append(PolicyVersionSet(version, time.time()))
         self._policy_version, self._policy_seq = version, seq
+        self.admission.version_changed(version)
         await self.journal.durable(seq)
 
     def retention_floor(self) -> int:
@@ -249,6 +255,8 @@ class Proxy:
             rollout.status,
             list(rollout.rewards.values()),
         )
+        group = self.registry.group_of(rollout)
+        group_size = rollout.group_size if group is None else group.size
         self.recorder.submit_seal(
             SealJob(
                 info=info,
@@ -259,6 +267,10 @@ class Proxy:
                 sealed_at=rollout.sealed_at or time.time(),
                 skip_samples=skip_samples,
                 skip_rollout=skip_rollout,
+                group_size=group_size,
+                # Publish soon: a rollout on its own, or the last of its group (a trainer
+                # waits for whole groups); a group of unknown size at each seal.
+                publish=group is None or group.size is None or group.complete,
             ),
             pin=rollout.first_seq,
         )
@@ -298,6 +310,8 @@ class Proxy:
                 f"the request cannot be recorded: {exc} (JSON nested deeper than "
                 f"{MAX_JSON_DEPTH} levels)"
             ) from None
+        if rollout_id is None or not self.registry.known(rollout_id):
+            await self.admission.wait_for_room()  # a new rollout: admission control
         rollout, turn_index = self.registry.begin_turn(rollout_id)
         call = _Call(
             turn_id=uuid.uuid4().hex,

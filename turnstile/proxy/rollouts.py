@@ -4,6 +4,10 @@ All methods run on the event loop (no locks). A rollout is sealed by `finish`, b
 idle timeout (`abandoned`) or at shutdown (`interrupted`); once sealed it refuses new
 turns and rewards with 409. The rollout's turns are handed to `on_seal` only when the
 last in-flight turn has ended, so a sample never misses a turn that was under way.
+
+Rollouts may belong to a group (a GRPO group: one prompt, several rollouts) whose size
+is declared when they are created; the group is complete once that many rollouts are
+sealed and handed over, which is when the writer is asked to publish it.
 """
 
 from __future__ import annotations
@@ -16,14 +20,22 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from turnstile.errors import BadRequest, Conflict, NotFound, Overloaded
+from turnstile.errors import BadRequest, Conflict, NotFound, Overloaded, Unprocessable
 from turnstile.journal.codec import Event, RewardsPosted, RolloutCreated, RolloutSealed
-from turnstile.limits import MAX_OPEN_ROLLOUT_BYTES, MAX_ROLLOUT_BYTES, MAX_ROLLOUT_ID_LENGTH
+from turnstile.limits import (
+    MAX_GROUP_SIZE,
+    MAX_OPEN_ROLLOUT_BYTES,
+    MAX_ROLLOUT_BYTES,
+    MAX_ROLLOUT_ID_LENGTH,
+)
 from turnstile.records import Reward, RolloutStatus, TurnRecord
 
 # Sealed rollouts kept for GET /rollouts/{id} (their turns are released at sealing):
 # enough for the last few minutes of a busy fleet, and a bounded ~10-20 MB of memory.
 MAX_SEALED_REMEMBERED = 10_000
+# Groups kept for GET /groups/{id}; complete groups beyond this are forgotten, oldest
+# first (a group holds only its members' ids and statuses).
+MAX_GROUPS_REMEMBERED = 10_000
 
 # Matched whole (fullmatch): `$` would also match before a trailing newline.
 _ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]*")
@@ -84,6 +96,7 @@ class Rollout:
     policy_versions: set[int] = field(default_factory=set)
     first_seq: int | None = None  # the journal frame that created it (kept until published)
     held_bytes: int = 0  # memory its turns hold until it is handed over
+    group_size: int | None = None  # as declared at creation (the group's may come later)
 
     @property
     def sealed(self) -> bool:
@@ -93,6 +106,7 @@ class Rollout:
         return {
             "rollout_id": self.rollout_id,
             "group_id": self.group_id,
+            "group_size": self.group_size,
             "task_id": self.task_id,
             "metadata": self.metadata,
             "status": self.status.value,
@@ -108,8 +122,35 @@ class Rollout:
         }
 
 
+@dataclass(slots=True)
+class Group:
+    """The rollouts of one group, and how many of them are sealed and handed over."""
+
+    group_id: str
+    size: int | None = None
+    members: dict[str, RolloutStatus] = field(default_factory=dict)
+    handed_over: int = 0
+
+    @property
+    def complete(self) -> bool:
+        """All declared rollouts are sealed and handed to the writer."""
+        return self.size is not None and self.handed_over >= self.size
+
+    def summary(self) -> dict[str, Any]:
+        sealed = sum(status is not RolloutStatus.OPEN for status in self.members.values())
+        return {
+            "group_id": self.group_id,
+            "group_size": self.size,
+            "num_rollouts": len(self.members),
+            "sealed": sealed,
+            "recorded": self.handed_over,
+            "complete": self.complete,
+            "rollouts": {rid: status.value for rid, status in self.members.items()},
+        }
+
+
 class RolloutRegistry:
-    """The open rollouts, and a bounded memory of sealed ones."""
+    """The open rollouts, and a bounded memory of sealed ones and of groups."""
 
     def __init__(
         self,
@@ -120,8 +161,10 @@ class RolloutRegistry:
         new_id: Callable[[], str] | None = None,
         max_rollout_bytes: int = MAX_ROLLOUT_BYTES,
         max_open_bytes: int = MAX_OPEN_ROLLOUT_BYTES,
+        admit: Callable[[], None] | None = None,
     ) -> None:
         self._on_seal = on_seal
+        self._admit = admit  # admission control: raises to refuse a new rollout
         self.on_event = on_event  # journals creations, rewards and seals
         self._idle_timeout_s = idle_timeout_s
         self.max_rollout_bytes = max_rollout_bytes
@@ -132,6 +175,7 @@ class RolloutRegistry:
         self._new_id: Callable[[], str] = new_id or _random_id
         self._open: dict[str, Rollout] = {}
         self._sealed: OrderedDict[str, Rollout] = OrderedDict()
+        self._groups: OrderedDict[str, Group] = OrderedDict()
 
     # -- lookup ------------------------------------------------------------------------
     def get(self, rollout_id: str) -> Rollout:
@@ -143,6 +187,59 @@ class RolloutRegistry:
     @property
     def open_count(self) -> int:
         return len(self._open)
+
+    def known(self, rollout_id: str) -> bool:
+        """Whether `rollout_id` is open or remembered as sealed."""
+        return rollout_id in self._open or rollout_id in self._sealed
+
+    def group(self, group_id: str) -> Group:
+        found = self._groups.get(group_id)
+        if found is None:
+            raise NotFound(f"group {group_id!r} is not known here", param="group_id")
+        return found
+
+    def group_of(self, rollout: Rollout) -> Group | None:
+        """The group of `rollout`, while it is remembered."""
+        return None if rollout.group_id is None else self._groups.get(rollout.group_id)
+
+    def _join_group(self, rollout: Rollout) -> None:
+        """Add `rollout` to its group (checked by `_check_group` first)."""
+        if rollout.group_id is None:
+            return
+        group = self._groups.get(rollout.group_id)
+        if group is None:
+            group = self._groups[rollout.group_id] = Group(rollout.group_id)
+        if rollout.group_size is not None:
+            group.size = rollout.group_size
+        group.members[rollout.rollout_id] = rollout.status
+        while len(self._groups) > MAX_GROUPS_REMEMBERED:
+            oldest = next(iter(self._groups.values()))
+            if not oldest.complete:
+                break
+            self._groups.popitem(last=False)
+
+    def _check_group(self, group_id: str | None, group_size: int | None) -> None:
+        if group_size is None:
+            return
+        if group_id is None:
+            raise Unprocessable("group_size needs a group_id", param="group_size")
+        if not 1 <= group_size <= MAX_GROUP_SIZE:
+            raise Unprocessable(
+                f"group_size must be 1 to {MAX_GROUP_SIZE}, not {group_size}", param="group_size"
+            )
+        group = self._groups.get(group_id)
+        if group is None:
+            return
+        if group.size is not None and group.size != group_size:
+            raise Conflict(
+                f"group {group_id!r} was declared with {group.size} rollouts, not {group_size}",
+                param="group_size",
+            )
+        if len(group.members) >= group_size:
+            raise Conflict(
+                f"group {group_id!r} already has {len(group.members)} rollouts",
+                param="group_size",
+            )
 
     def oldest_seq(self) -> int | None:
         """The oldest journal frame an open (not yet handed over) rollout needs."""
@@ -170,6 +267,7 @@ class RolloutRegistry:
                 rollout.metadata,
                 rollout.implicit,
                 rollout.created_at,
+                rollout.group_size,
             )
         )
         if rollout.rewards:
@@ -194,17 +292,31 @@ class RolloutRegistry:
         task_id: str | None = None,
         metadata: dict[str, Any] | None = None,
         implicit: bool = False,
+        group_size: int | None = None,
     ) -> Rollout:
         rid = check_rollout_id(rollout_id) if rollout_id else self._new_id()
         if rid in self._open or rid in self._sealed:
             raise Conflict(f"rollout {rid!r} already exists", param="rollout_id")
-        rollout = Rollout(rid, group_id, task_id, metadata, implicit)
+        self._check_group(group_id, group_size)
+        if self._admit is not None:
+            self._admit()
+        if group_id is not None and group_size is None and group_id in self._groups:
+            group_size = self._groups[group_id].size  # declared by an earlier member
+            if group_size is not None and len(self._groups[group_id].members) >= group_size:
+                raise Conflict(
+                    f"group {group_id!r} already has its {group_size} rollouts",
+                    param="group_id",
+                )
+        rollout = Rollout(rid, group_id, task_id, metadata, implicit, group_size=group_size)
         if self.on_event is not None:  # journaled first: a failed append creates nothing
             seq = self.on_event(
-                RolloutCreated(rid, group_id, task_id, metadata, implicit, rollout.created_at)
+                RolloutCreated(
+                    rid, group_id, task_id, metadata, implicit, rollout.created_at, group_size
+                )
             )
             rollout.first_seq = seq or None
         self._open[rid] = rollout
+        self._join_group(rollout)
         return rollout
 
     def restore(self, rollout: Rollout) -> None:
@@ -212,6 +324,7 @@ class RolloutRegistry:
         rollout.held_bytes = sum(map(turn_bytes, rollout.turns))
         self.held_bytes += rollout.held_bytes
         self._open[rollout.rollout_id] = rollout
+        self._join_group(rollout)
 
     # -- turns -------------------------------------------------------------------------
     def begin_turn(self, rollout_id: str | None) -> tuple[Rollout, int]:
@@ -319,6 +432,9 @@ class RolloutRegistry:
     def _seal(self, rollout: Rollout, status: RolloutStatus) -> None:
         rollout.status = status
         rollout.sealed_at = time.time()
+        group = self.group_of(rollout)
+        if group is not None:
+            group.members[rollout.rollout_id] = status
         if self.on_event is not None:
             self.on_event(RolloutSealed(rollout.rollout_id, status, rollout.sealed_at))
         self._maybe_hand_over(rollout)
@@ -327,6 +443,9 @@ class RolloutRegistry:
         if not rollout.sealed or rollout.in_flight > 0 or rollout.handed_over:
             return
         rollout.handed_over = True
+        group = self.group_of(rollout)
+        if group is not None:
+            group.handed_over += 1
         self._open.pop(rollout.rollout_id, None)
         self.held_bytes -= rollout.held_bytes
         rollout.held_bytes = 0

@@ -37,6 +37,7 @@ from turnstile.output.objstore import ObjectStorePublisher, open_store
 from turnstile.output.recorder import Recorder
 from turnstile.output.shards import ParquetShardSink, Sink
 from turnstile.output.tokenizer import LocalTokenizer
+from turnstile.proxy.admission import Admission
 from turnstile.proxy.core import Proxy
 from turnstile.runtime import tune_gc
 from turnstile.server.asgi import BodyReader, HeaderLimits
@@ -150,7 +151,12 @@ def create_app(
             # With an object store this is only staging: the store holds the manifest.
             manifest=publisher is None,
         )
-    recorder = Recorder(sink, max_backlog=settings.recorder_queue_size, tokenizer=tokenizer)
+    recorder = Recorder(
+        sink,
+        max_backlog=settings.recorder_queue_size,
+        tokenizer=tokenizer,
+        publish_delay_s=settings.publish_delay_s,
+    )
     tito = _tito_backend(settings, backend, tokenizer) if settings.mode == "tito" else None
     journal = TurnJournal()  # attached at start-up, once the last run's state is rebuilt
     events = EventMetrics()
@@ -167,6 +173,12 @@ def create_app(
         on_seal=None if tito is None else tito.forget,  # a sealed rollout's token state
         max_rollout_bytes=settings.max_rollout_bytes,
         max_open_rollout_bytes=settings.max_open_rollout_bytes,
+        admission=Admission(
+            settings.max_open_rollouts_per_version,
+            settings.max_staleness,
+            settings.policy_version,
+            settings.admission,
+        ),
     )
     peers: dict[int, Backend] = {} if worker is None else peer_clients(worker, timeouts)
 

@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from turnstile.limits import MAX_JSON_DEPTH, MAX_POLICY_VERSION, MIN_POLICY_VERSION
+from turnstile.limits import MAX_GROUP_SIZE, MAX_JSON_DEPTH, MAX_POLICY_VERSION, MIN_POLICY_VERSION
 
 __all__ = [
     "CreateRollout",
@@ -66,6 +66,13 @@ class _Body(BaseModel):
 class CreateRollout(_Body):
     rollout_id: str | None = Field(default=None, description="choose the id (default: random)")
     group_id: str | None = Field(default=None, description="GRPO group this rollout belongs to")
+    group_size: int | None = Field(
+        default=None,
+        strict=True,
+        ge=1,
+        le=MAX_GROUP_SIZE,
+        description="rollouts in the group: it is published once that many are sealed",
+    )
     task_id: str | None = None
     metadata: dict[str, Any] | None = None
 

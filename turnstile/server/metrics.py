@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from turnstile.backends.protocol import Backend
     from turnstile.journal.turns import TurnJournal
     from turnstile.output.recorder import Recorder
+    from turnstile.proxy.admission import Admission
     from turnstile.proxy.rollouts import RolloutRegistry
 
 CONTENT_TYPE: Final[str] = CONTENT_TYPE_LATEST
@@ -121,6 +122,9 @@ class ServingState(Protocol):
 
     @property
     def journal(self) -> TurnJournal: ...
+
+    @property
+    def admission(self) -> Admission: ...
 
     @property
     def in_flight(self) -> int: ...
@@ -315,6 +319,18 @@ class _StateCollector(Collector):
         )
         yield counter(
             "turnstile_dropped", "Work dropped (stays 0: work is refused up front).", stats.dropped
+        )
+        admission = state.admission
+        if admission.ahead is not None:
+            yield gauge(
+                "turnstile_admission_ahead_versions",
+                "Versions of data the harness is ahead of the trainer (admission control).",
+                admission.ahead,
+            )
+        yield counter(
+            "turnstile_admission_refused",
+            "New rollouts refused with 429 by admission control.",
+            admission.refused,
         )
         yield counter(
             "turnstile_recorder_errors",

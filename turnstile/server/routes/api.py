@@ -27,10 +27,12 @@ from turnstile.errors import (
     Forbidden,
     MethodNotAllowed,
     NotFound,
+    Overloaded,
     TurnstileError,
     Unprocessable,
 )
 from turnstile.jsontext import json_text
+from turnstile.limits import ADMIN_FLUSH_TIMEOUT_S
 from turnstile.proxy.core import Proxy, StreamRelay
 from turnstile.proxy.rollouts import check_rollout_id
 from turnstile.server import asgi
@@ -171,6 +173,14 @@ def add_routes(
             "in_flight": proxy.in_flight,
             "backlog": proxy.recorder.backlog,
             "policy_version": proxy.policy_version,
+            "admission": {
+                "rollouts_per_version": proxy.admission.per_version,
+                "max_staleness": proxy.admission.max_staleness,
+                "created": proxy.admission.created,
+                "refused": proxy.admission.refused,
+                "allowance": proxy.admission.allowance,
+                "ahead_versions": proxy.admission.ahead,
+            },
             "journal": _journal_usage(proxy),
             "mode": "record" if tito_stats is None else "tito",
             "tito": None if tito_stats is None else tito_stats(),
@@ -179,8 +189,13 @@ def add_routes(
     @router.post("/rollouts", status_code=201, tags=["rollouts"])
     async def create_rollout(request: Request, body: CreateRollout | None = None) -> Any:
         body = body or CreateRollout()
+        await proxy.admission.wait_for_room()
         rollout = proxy.registry.create(
-            body.rollout_id, group_id=body.group_id, task_id=body.task_id, metadata=body.metadata
+            body.rollout_id,
+            group_id=body.group_id,
+            task_id=body.task_id,
+            metadata=body.metadata,
+            group_size=body.group_size,
         )
         base = str(request.base_url).rstrip("/")
         out = rollout.summary()
@@ -192,6 +207,12 @@ def add_routes(
     @router.get("/rollouts/{rollout_id}", tags=["rollouts"])
     async def get_rollout(rollout_id: str) -> Any:
         return proxy.registry.get(check_rollout_id(rollout_id)).summary()
+
+    @router.get("/groups/{group_id}", tags=["rollouts"])
+    async def get_group(group_id: str) -> Any:
+        """A group's rollouts and whether it is complete (all declared rollouts sealed
+        and handed to the writer, which then publishes it within `publish_delay_s`)."""
+        return proxy.registry.group(group_id).summary()
 
     @router.post("/rollouts/{rollout_id}/rewards", tags=["rollouts"])
     async def post_rewards(rollout_id: str, body: PostRewards) -> Any:
@@ -226,6 +247,24 @@ def add_routes(
         await proxy.set_policy_version(body.policy_version)
         log.info("policy version set to %d", body.policy_version)
         return {"policy_version": proxy.policy_version}
+
+    @router.post("/admin/flush", tags=["admin"])
+    async def flush() -> dict[str, Any]:
+        """Publish everything handed to the writer so far (sealed rollouts, turns), now;
+        answers once it is in published shards."""
+        flush = proxy.recorder.request_flush()
+        done = await asyncio.to_thread(flush.done.wait, ADMIN_FLUSH_TIMEOUT_S)
+        if not done:
+            raise Overloaded(
+                f"the writer did not publish within {ADMIN_FLUSH_TIMEOUT_S:.0f} s; "
+                "it is behind, retry shortly",
+                retry_after_s=5,
+            )
+        if not flush.ok:
+            raise Overloaded(
+                f"publishing failed: {proxy.recorder.error}; it is retried", retry_after_s=5
+            )
+        return {"published": True, "backlog": proxy.recorder.backlog}
 
     @router.post("/admin/recorder/ack", tags=["admin"])
     async def acknowledge_incident() -> dict[str, Any]:
