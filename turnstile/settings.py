@@ -143,6 +143,10 @@ class Settings(BaseModel):
     max_open_rollouts_per_version: int | None = Field(default=None, ge=1)
     max_staleness: int = Field(default=0, ge=0)
     admission: Literal["refuse", "wait"] = "refuse"
+    # During a weight update (POST /admin/pause ... /admin/resume), also pause and resume
+    # the backend's engine through its own /pause and /resume (vLLM with
+    # VLLM_SERVER_DEV_MODE=1).
+    backend_pause: bool = False
     drain_timeout_s: float = Field(default=limits.DRAIN_TIMEOUT_S, ge=0)
 
     @model_validator(mode="before")

@@ -55,6 +55,13 @@ from turnstile.proxy.capture import (
     sampling_params,
 )
 from turnstile.proxy.capture import validate_request as validate
+from turnstile.proxy.fencing import (
+    BACKEND_PAUSE_MODES,
+    FENCE_DRAIN_TIMEOUT_S,
+    FENCE_RETRY_AFTER_S,
+    Fence,
+    FenceMode,
+)
 from turnstile.proxy.retries import Answer, AnswerCache, answer_key, is_retry
 from turnstile.proxy.rollouts import Rollout, RolloutRegistry
 from turnstile.proxy.sse import DONE, SSEError, SSEEvent, SSEParser, encode_data
@@ -115,6 +122,7 @@ class _Call:
     journal_error: JournalError | None = None
     served_by: str | None = None  # the backend of a pool that answered
     failover_from: str | None = None  # the dead backend the rollout was moved from
+    aborted: str | None = None  # why a weight-update fence cut the call
 
     @property
     def headers(self) -> dict[str, str]:
@@ -144,8 +152,12 @@ class Proxy:
         max_rollout_bytes: int = MAX_ROLLOUT_BYTES,
         max_open_rollout_bytes: int = MAX_OPEN_ROLLOUT_BYTES,
         admission: Admission | None = None,
+        backend_pause: bool = False,
     ) -> None:
         self.backend = backend
+        self.fence = Fence()
+        self._backend_pause = backend_pause  # drive the backend's /pause and /resume
+        self._live: dict[str, tuple[_Call, BackendResponse]] = {}  # calls being relayed
         self.admission = admission or Admission(None, 0, policy_version)
         self.recorder = recorder
         self.top_logprobs = top_logprobs
@@ -222,6 +234,64 @@ class Proxy:
         self._policy_version, self._policy_seq = version, seq
         self.admission.version_changed(version)
         await self.journal.durable(seq)
+
+    # -- weight updates ------------------------------------------------------------------
+    async def pause(self, mode: FenceMode) -> dict[str, Any]:
+        """Close the fence for a weight update (`turnstile.proxy.fencing`); returns once
+        no call is in flight: the old weights have finished what they started."""
+        started = time.monotonic()
+        in_flight = self.in_flight
+        self.fence.close(mode)
+        cut = 0
+        if mode == "abort":
+            reason = "cut by a weight update (mode abort); retry the call"
+            for call, resp in list(self._live.values()):
+                if call.aborted is None:
+                    call.aborted = reason
+                    resp.close()
+                    cut += 1
+            self.fence.aborted += cut
+        if self._backend_pause:
+            await self._drive_backend(f"/pause?mode={BACKEND_PAUSE_MODES[mode]}")
+        try:
+            await asyncio.wait_for(self.idle.wait(), FENCE_DRAIN_TIMEOUT_S)
+        except TimeoutError:
+            raise Overloaded(
+                f"{self.in_flight} calls are still in flight after "
+                f"{FENCE_DRAIN_TIMEOUT_S:.0f} s; the fence stays closed: ask again, or "
+                "POST /admin/resume",
+                retry_after_s=FENCE_RETRY_AFTER_S,
+            ) from None
+        log.info("paused for a weight update (%s): %d in flight, %d cut", mode, in_flight, cut)
+        return {
+            "paused": True,
+            "mode": mode,
+            "in_flight_at_pause": in_flight,
+            "aborted": cut,
+            "drain_s": time.monotonic() - started,
+        }
+
+    async def resume(self, version: int | None) -> dict[str, Any]:
+        """Switch to `version` (if given), resume the backend, open the fence."""
+        if not self.fence.closed:
+            self.fence.open()  # raises Conflict: nothing to resume
+        if version is not None:
+            await self.set_policy_version(version)
+        if self._backend_pause:
+            await self._drive_backend("/resume")
+        held = self.fence.open()
+        log.info("resumed at policy version %d after %.2f s", self.policy_version, held)
+        return {"policy_version": self.policy_version, "paused_s": held}
+
+    async def _drive_backend(self, path: str) -> None:
+        """POST `path` to the backend (its own pause/resume); a failure is a 502."""
+        resp = await self.backend.request("POST", path, b"", {})
+        try:
+            if resp.status >= 400:
+                raise await read_error(resp)
+            await resp.read()
+        finally:
+            resp.close()
 
     def retention_floor(self) -> int:
         """The oldest journal frame still needed: by an open rollout, by work the writer
@@ -312,6 +382,7 @@ class Proxy:
             ) from None
         if rollout_id is None or not self.registry.known(rollout_id):
             await self.admission.wait_for_room()  # a new rollout: admission control
+        await self.fence.pass_through()  # waits while the weights are being updated
         rollout, turn_index = self.registry.begin_turn(rollout_id)
         call = _Call(
             turn_id=uuid.uuid4().hex,
@@ -342,6 +413,7 @@ class Proxy:
             call.served_by, call.failover_from = resp.served_by, resp.failover_from
             if resp.status >= 400:
                 raise await read_error(resp)
+            self._live[call.turn_id] = (call, resp)
         except TurnstileError as exc:
             self._finish(call, capture, TurnStatus.ERROR, exc.message, exc.status)
             raise
@@ -360,16 +432,24 @@ class Proxy:
     async def _relay_whole(
         self, call: _Call, capture: ResponseCapture, resp: BackendResponse
     ) -> Relay:
+        raw: bytes | None = None
         try:
             raw = await resp.read()
         except TurnstileError as exc:
-            self._finish(call, capture, TurnStatus.ERROR, exc.message, exc.status)
-            raise
+            if call.aborted is None:
+                self._finish(call, capture, TurnStatus.ERROR, exc.message, exc.status)
+                raise
         except BaseException:
             self._finish(call, capture, TurnStatus.ABORTED, "request cancelled", 499)
             raise
         finally:
             resp.close()
+        if raw is None or (call.aborted is not None and not raw):
+            # A weight-update fence cut it before it was read (a whole answer that did
+            # arrive is recorded as usual, under the version it began with).
+            reason = call.aborted or "cut by a weight update"
+            self._finish(call, capture, TurnStatus.ABORTED, reason, Overloaded.status)
+            raise Overloaded(reason, retry_after_s=FENCE_RETRY_AFTER_S)
         call.t_first = time.perf_counter()
         body = None
         if not call.plan.needs_strip:  # the bytes go out unchanged: decode what is recorded
@@ -454,6 +534,12 @@ class Proxy:
             self._finish(call, capture, TurnStatus.ERROR, stream_error, resp.status)
             yield encode_data(DONE)
             return
+        if call.aborted is not None:  # a weight-update fence cut it: partial tokens kept
+            self._finish(call, capture, TurnStatus.ABORTED, call.aborted, Overloaded.status)
+            cut_by = Overloaded(call.aborted, retry_after_s=FENCE_RETRY_AFTER_S)
+            yield encode_data(cut_by.body_bytes())
+            yield encode_data(DONE)
+            return
         cut = capture.choices and not unrecordable
         status = TurnStatus.ABORTED if cut else TurnStatus.ERROR
         self._finish(call, capture, status, error, 502)
@@ -481,6 +567,7 @@ class Proxy:
         if call.done:
             return
         call.done = True
+        self._live.pop(call.turn_id, None)
         if call.answer_key is not None:
             self.answers.complete(call.answer_key, answer if status is TurnStatus.OK else None)
         self.in_flight -= 1

@@ -179,6 +179,7 @@ def create_app(
             settings.policy_version,
             settings.admission,
         ),
+        backend_pause=settings.backend_pause,
     )
     peers: dict[int, Backend] = {} if worker is None else peer_clients(worker, timeouts)
 

@@ -6,7 +6,7 @@ error shape (see ``turnstile.server.routes.api``)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -88,6 +88,23 @@ class PostRewards(_Body):
 
 class FinishRollout(PostRewards):
     pass
+
+
+class Pause(_Body):
+    mode: Literal["pause", "abort"] = Field(
+        default="pause",
+        description="pause: calls in flight finish; abort: they are cut (recorded aborted)",
+    )
+
+
+class Resume(_Body):
+    policy_version: int | None = Field(
+        default=None,
+        strict=True,
+        ge=MIN_POLICY_VERSION,
+        le=MAX_POLICY_VERSION,
+        description="the version of the weights just pushed (default: unchanged)",
+    )
 
 
 class PolicyVersion(_Body):

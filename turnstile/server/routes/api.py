@@ -37,7 +37,14 @@ from turnstile.proxy.core import Proxy, StreamRelay
 from turnstile.proxy.rollouts import check_rollout_id
 from turnstile.server import asgi
 from turnstile.server.auth import RolloutKeys, may_post_rewards
-from turnstile.server.bodies import CreateRollout, FinishRollout, PolicyVersion, PostRewards
+from turnstile.server.bodies import (
+    CreateRollout,
+    FinishRollout,
+    Pause,
+    PolicyVersion,
+    PostRewards,
+    Resume,
+)
 
 log = logging.getLogger("turnstile.routes")
 
@@ -173,6 +180,7 @@ def add_routes(
             "in_flight": proxy.in_flight,
             "backlog": proxy.recorder.backlog,
             "policy_version": proxy.policy_version,
+            "fence": proxy.fence.summary(),
             "admission": {
                 "rollouts_per_version": proxy.admission.per_version,
                 "max_staleness": proxy.admission.max_staleness,
@@ -247,6 +255,17 @@ def add_routes(
         await proxy.set_policy_version(body.policy_version)
         log.info("policy version set to %d", body.policy_version)
         return {"policy_version": proxy.policy_version}
+
+    @router.post("/admin/pause", tags=["admin"])
+    async def pause(body: Pause | None = None) -> dict[str, Any]:
+        """Before a weight push: new calls wait; calls in flight finish (`pause`) or are
+        cut and recorded `aborted` (`abort`). Answers once none is in flight."""
+        return await proxy.pause((body or Pause()).mode)
+
+    @router.post("/admin/resume", tags=["admin"])
+    async def resume(body: Resume | None = None) -> dict[str, Any]:
+        """After a weight push: switch to the new policy version and let calls through."""
+        return await proxy.resume((body or Resume()).policy_version)
 
     @router.post("/admin/flush", tags=["admin"])
     async def flush() -> dict[str, Any]:
