@@ -65,7 +65,10 @@ def vllm_server(
         yield ExistingServer(existing.rstrip("/"))
         return
     log_path = tmp_path_factory.mktemp("vllm") / "vllm.log"
-    server = devstack.start_vllm(tiny_model_dir, devstack.free_port(), log_path=log_path)
+    # Development routes on: the weight-update test pauses, reloads and resumes it.
+    server = devstack.start_vllm(
+        tiny_model_dir, devstack.free_port(), log_path=log_path, dev_mode=True
+    )
     try:
         server.wait_healthy()
     except devstack.DevstackError as exc:

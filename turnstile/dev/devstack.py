@@ -207,11 +207,16 @@ class VLLMServer:
         self.stop()
 
 
-def vllm_environment(root: Path | None = None) -> dict[str, str]:
-    """Return the environment ``start_vllm`` runs vLLM with."""
+def vllm_environment(root: Path | None = None, *, dev_mode: bool = False) -> dict[str, str]:
+    """Return the environment ``start_vllm`` runs vLLM with.
+
+    ``dev_mode`` turns on vLLM's development routes (``/pause``, ``/resume``,
+    ``/collective_rpc``, ...): the tests drive a weight update through them.
+    """
     base = cache_root() if root is None else root
     return _offline_env(
         {
+            **({"VLLM_SERVER_DEV_MODE": "1"} if dev_mode else {}),
             "VLLM_CPU_KVCACHE_SPACE": str(VLLM_KV_CACHE_GIB),
             # Two-core machines and CI runners share their cores; pinning OpenMP threads to
             # cores slows everything else down.
@@ -259,6 +264,7 @@ def start_vllm(
     served_model_name: str = DEFAULT_SERVED_MODEL_NAME,
     extra_args: Sequence[str] = (),
     log_path: Path | None = None,
+    dev_mode: bool = False,
 ) -> VLLMServer:
     """Start vLLM serving ``model_dir`` and return at once; call ``wait_healthy()`` next.
 
@@ -287,7 +293,7 @@ def start_vllm(
             stdout=log_file,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=vllm_environment(base),
+            env=vllm_environment(base, dev_mode=dev_mode),
             start_new_session=True,
         )
     except OSError:

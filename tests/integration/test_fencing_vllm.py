@@ -1,0 +1,141 @@
+"""A real weight push through the CPU vLLM, fenced by Turnstile, with streams in flight.
+
+The pushed weights are the tiny model's, perturbed, reloaded into the running engine
+(`/collective_rpc reload_weights`, a development route): a greedy call gives other
+logprobs afterwards, so the push took effect. In `pause` mode the stream in flight
+finishes whole under the old version; in `abort` mode it is cut, its tokens so far
+recorded as an aborted turn; in both, the calls made during the push wait and are
+recorded under the new version. Turnstile drives vLLM's own `/pause` and `/resume`.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.live import TurnstileServer
+from turnstile.reader import open_output
+
+pytestmark = pytest.mark.integration
+
+MODEL = "tiny-qwen3"
+STREAM_TOKENS = 300  # long enough to be in flight while the fence closes
+PUSH_TIMEOUT_S = 300.0
+
+
+def _pushed_checkpoint(model_dir: Path, out: Path) -> Path:
+    """A copy of the tiny model with every weight scaled: other weights, same shapes."""
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir()
+    for path in model_dir.iterdir():
+        if path.suffix != ".safetensors":
+            shutil.copy(path, out / path.name)
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    scaled = {name: (t.float() * 1.5).to(t.dtype) for name, t in tensors.items()}
+    save_file(scaled, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def _greedy_logprobs(url: str, rollout: str) -> list[float]:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "count"}],
+        "max_tokens": 4,
+        "temperature": 0,
+        "logprobs": True,
+    }
+    resp = httpx.post(f"{url}/rollouts/{rollout}/v1/chat/completions", json=body, timeout=120)
+    resp.raise_for_status()
+    return [e["logprob"] for e in resp.json()["choices"][0]["logprobs"]["content"]]
+
+
+def _stream(url: str, rollout: str, out: dict[str, Any]) -> None:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "go on"}],
+        "max_tokens": STREAM_TOKENS,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    lines: list[str] = []
+    with httpx.stream(
+        "POST", f"{url}/rollouts/{rollout}/v1/chat/completions", json=body, timeout=300
+    ) as resp:
+        for line in resp.iter_lines():
+            if line:
+                lines.append(line)
+                out["started"] = True
+    out["lines"] = lines
+
+
+@pytest.mark.parametrize("mode", ["pause", "abort"])
+def test_a_weight_push_is_fenced(
+    vllm_server: Any, tiny_model_dir: Path, qwen3_tokenizer_dir: Path, tmp_path: Path, mode: str
+) -> None:
+    pushed = _pushed_checkpoint(tiny_model_dir, tmp_path / "pushed")
+    vllm = vllm_server.base_url
+    with TurnstileServer(vllm, tmp_path / "out", qwen3_tokenizer_dir, backend_pause=True) as server:
+        url = server.url
+        before = _greedy_logprobs(url, "before")
+        out: dict[str, Any] = {}
+        streamer = threading.Thread(target=_stream, args=(url, "stream", out))
+        streamer.start()
+        deadline = time.monotonic() + 120
+        while not out.get("started"):
+            assert time.monotonic() < deadline, "the stream did not start"
+            time.sleep(0.05)
+        paused = httpx.post(f"{url}/admin/pause", json={"mode": mode}, timeout=PUSH_TIMEOUT_S)
+        assert paused.status_code == 200, paused.text
+        assert httpx.get(f"{vllm}/is_paused", timeout=10).json()["is_paused"] is True
+        # A call made during the push waits at the fence.
+        during: dict[str, Any] = {}
+        waiter = threading.Thread(target=lambda: during.update(lp=_greedy_logprobs(url, "during")))
+        waiter.start()
+        push = httpx.post(
+            f"{vllm}/collective_rpc",
+            json={"method": "reload_weights", "kwargs": {"weights_path": str(pushed)}},
+            timeout=PUSH_TIMEOUT_S,
+        )
+        assert push.status_code == 200, push.text
+        assert "lp" not in during
+        resumed = httpx.post(f"{url}/admin/resume", json={"policy_version": 1}, timeout=60)
+        assert resumed.status_code == 200, resumed.text
+        waiter.join(120)
+        streamer.join(300)
+        after = _greedy_logprobs(url, "after")
+        # The new weights answered the waiting call and the next one.
+        assert np.allclose(during["lp"], after, atol=1e-3)
+        assert not np.allclose(after, before, atol=1e-3)
+        for rid in ("before", "stream", "during", "after"):
+            httpx.post(f"{url}/rollouts/{rid}/finish")
+        # Put the original weights back for the rest of the suite.
+        httpx.post(f"{url}/admin/pause", json={"mode": "pause"}, timeout=PUSH_TIMEOUT_S)
+        restore = httpx.post(
+            f"{vllm}/collective_rpc",
+            json={"method": "reload_weights", "kwargs": {"weights_path": str(tiny_model_dir)}},
+            timeout=PUSH_TIMEOUT_S,
+        )
+        assert restore.status_code == 200, restore.text
+        httpx.post(f"{url}/admin/resume", json={"policy_version": 2}, timeout=60)
+        assert np.allclose(_greedy_logprobs(url, "restored"), before, atol=1e-3)
+    turns = {t["rollout_id"]: t for t in open_output(tmp_path / "out").turns().to_pylist()}
+    stream = turns["stream"]
+    assert stream["policy_version"] == 0
+    if mode == "pause":
+        assert stream["status"] == "ok" and stream["num_completion_tokens"] == STREAM_TOKENS
+        assert out["lines"][-1] == "data: [DONE]"
+    else:
+        assert stream["status"] == "aborted" and "weight update" in stream["error"]
+        assert 0 < stream["num_completion_tokens"] < STREAM_TOKENS
+        assert len(stream["behavior_logprobs"]) == stream["num_completion_tokens"]
+        assert "weight update" in out["lines"][-2]
+    assert (turns["during"]["policy_version"], turns["during"]["status"]) == (1, "ok")
+    assert turns["before"]["policy_version"] == 0
