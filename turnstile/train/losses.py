@@ -386,6 +386,7 @@ def proximal_kl_loss(
     """
     cfg = config or ProximalKLConfig()
     if cu_seqlens is not None:
+
         def unpacked(x: torch.Tensor) -> torch.Tensor:
             result: torch.Tensor = packing.unpack(x, cu_seqlens)
             return result
