@@ -118,8 +118,8 @@ def samples_from_batch(batch: pa.RecordBatch | pa.Table) -> Iterator[TrainSample
 # ----------------------------------------------------------------- advantages on samples
 
 
-def _group_keys(samples: Sequence[TrainSample]) -> list[str]:
-    # A sample without a group is its own group (its advantage is then 0).
+def group_keys(samples: Sequence[TrainSample]) -> list[str]:
+    """Each sample's group key; a sample without a group is its own (advantage 0)."""
     return [s.group_id if s.group_id is not None else f"\0{s.rollout_id}" for s in samples]
 
 
@@ -189,7 +189,7 @@ def assign_grpo(
     rollouts = Rollouts.of(samples)
     firsts = rollouts.firsts(samples)
     rewards, _ = adv.reward_matrix([s.rewards for s in firsts], reward_names)
-    a = adv.grpo_advantages(rewards, _group_keys(firsts), weights, nan=nan)
+    a = adv.grpo_advantages(rewards, group_keys(firsts), weights, nan=nan)
     return _assign_per_rollout(samples, a, rollouts)
 
 
@@ -210,7 +210,7 @@ def assign_gdpo(
     rewards, _ = adv.reward_matrix([s.rewards for s in firsts], reward_names)
     a = adv.gdpo_advantages(
         rewards,
-        _group_keys(firsts),
+        group_keys(firsts),
         weights,
         variant=variant,
         nan=nan,
@@ -272,7 +272,7 @@ def assign_mrtpo(
     firsts = rollouts.firsts(samples)
     rewards, names = adv.reward_matrix([s.rewards for s in firsts], reward_names)
     per_reward = np.nan_to_num(
-        adv.gdpo_reward_advantages(rewards, _group_keys(firsts), nan=nan), nan=0.0
+        adv.gdpo_reward_advantages(rewards, group_keys(firsts), nan=nan), nan=0.0
     )
     rel = [[_rollout_relevance(samples, m, k, relevance) for k in names] for m in rollouts.members]
     tokens = adv.mrtpo_batch(
@@ -357,7 +357,7 @@ def pad_batch(
         out["position_ids"][i, :n] = np.arange(n)
         out["behavior_logprobs"][i, :n] = np.where(mask > 0, s.behavior_logprobs[:n], 0.0)
         out["advantages"][i, :n] = _token_advantages(s)[:n]
-    keys = list(group_ids) if group_ids is not None else _group_keys(samples)
+    keys = list(group_ids) if group_ids is not None else group_keys(samples)
     out["group_index"] = adv._group_index(keys)[0]
     out["rollout_index"], out["sample_index"] = rollout_order(samples)
     out["policy_version"] = np.array(
@@ -396,7 +396,7 @@ def pack_batch(samples: Sequence[TrainSample], max_tokens: int | None = None) ->
         ],
         "sequence_index": np.repeat(np.arange(len(samples)), lengths)[None],
         "cu_seqlens": cu,
-        "group_index": adv._group_index(_group_keys(samples))[0],
+        "group_index": adv._group_index(group_keys(samples))[0],
     }
     out["rollout_index"], out["sample_index"] = rollout_order(samples)
     return out

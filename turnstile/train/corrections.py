@@ -235,8 +235,10 @@ def sequence_mis(
     *,
     cu_seqlens: Array = None,
 ) -> Array:
-    """Deprecated: this was always rejection sampling; use ``sequence_rs`` (same result),
-    or ``sequence_mis_weights`` for Seq-MIS as defined (``rho_seq * 1{rho_seq <= C}``)."""
+    """Deprecated name of ``sequence_rs`` (it always was rejection sampling).
+
+    Seq-MIS as defined (``rho_seq * 1{rho_seq <= C}``) is ``sequence_mis_weights``.
+    """
     warnings.warn(
         "corrections.sequence_mis is sequence rejection sampling: use sequence_rs, or "
         "sequence_mis_weights for Seq-MIS (rho_seq * 1{rho_seq <= C})",

@@ -28,7 +28,7 @@ import numpy.typing as npt
 
 from turnstile.train import advantages as adv
 from turnstile.train import corrections
-from turnstile.train.batches import Rollouts, TrainSample, _group_keys
+from turnstile.train.batches import Rollouts, TrainSample, group_keys
 
 
 def overlong_penalty(
@@ -72,8 +72,11 @@ def add_overlong_reward(
 def overlong_filter(
     samples: Sequence[TrainSample], truncated: Collection[str]
 ) -> list[TrainSample]:
-    """The samples whose rollout is not in ``truncated`` (rollout ids cut at the maximum
-    length, e.g. a turn with ``finish_reason == "length"``)."""
+    """Overlong filtering: the samples whose rollout is not in ``truncated``.
+
+    ``truncated`` holds the rollout ids cut at the maximum length (e.g. a turn with
+    ``finish_reason == "length"`` in the ``turns`` table).
+    """
     return [s for s in samples if s.rollout_id not in truncated]
 
 
@@ -93,7 +96,7 @@ def dynamic_sampling(
     r = np.nan_to_num(rewards, nan=0.0)
     omega = np.ones(r.shape[1]) if weights is None else np.asarray(weights, dtype=np.float64)
     metric = r @ omega
-    groups = _group_keys(firsts)
+    groups = group_keys(firsts)
     index, count = adv._group_index(groups)
     keep_group = np.zeros(count, dtype=bool)
     for g in range(count):
@@ -131,10 +134,10 @@ def add_kl_reward(
     beta: float,
     name: str = "kl_penalty",
 ) -> npt.NDArray[np.float64]:
-    """KL in the reward: add ``-beta * sum over the rollout's samples of their KL`` as the
-    reward ``name``; ``penalties[(rollout_id, sample_index)]`` from ``kl_reward_penalty``.
+    """KL in the reward: add ``-beta * (the KL of the rollout's samples)`` as reward ``name``.
 
-    Returns the added reward per rollout.
+    ``penalties[(rollout_id, sample_index)]`` comes from ``kl_reward_penalty``; a rollout's
+    samples are summed. Returns the added reward per rollout.
     """
     rollouts = Rollouts.of(samples)
     out = np.zeros(len(rollouts.members))
