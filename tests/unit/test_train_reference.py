@@ -164,7 +164,15 @@ def test_grpo_loss_matches_trl(case: int) -> None:
         clip_ratio_high=0.28,
         loss_agg_mode=mode,
         loss_scale_factor=width,
-    ) + ref["beta"] * losses.kl_loss(logp, x["ref"], x["mask"], "k3", mode, width)
+    ) + ref["beta"] * losses.kl_loss(
+        logp,
+        x["ref"],
+        x["mask"],
+        "k3",
+        mode,
+        width,
+        x["old"] if ref["use_bias_correction_kl"] else None,
+    )
     (grad,) = torch.autograd.grad(loss, logp)
     close(loss, ref["loss"])
     close(grad, ref["grad"])

@@ -263,9 +263,20 @@ def kl_loss(
     kl_loss_type: str = "low_var_kl",
     loss_agg_mode: str = "token-mean",
     loss_scale_factor: float | None = None,
+    logp_old: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """verl's ``use_kl_loss`` term before its coefficient: ``agg_loss(kl(logp, ref))``."""
-    return agg_loss(kl_values(logp, logp_ref, kl_loss_type), mask, loss_agg_mode, loss_scale_factor)
+    """verl's ``use_kl_loss`` term before its coefficient: ``agg_loss(kl(logp, ref))``.
+
+    With ``logp_old`` the estimate is importance-corrected for tokens sampled by
+    ``pi_old``: each value is multiplied by ``r = pi_theta / pi_old`` (gradient included),
+    as TRL's ``use_bias_correction_kl``.
+    """
+    values = kl_values(logp, logp_ref, kl_loss_type)
+    if logp_old is not None:
+        old = torch.nan_to_num(logp_old.detach(), nan=0.0)
+        clamp = corrections.LOG_RATIO_CLAMP
+        values = values * torch.exp((logp - old).clamp(-clamp, clamp))
+    return agg_loss(values, mask, loss_agg_mode, loss_scale_factor)
 
 
 def kl_penalty(
@@ -322,6 +333,7 @@ class ProximalKLConfig:
     entropy_coeff: float = 0.0  # needs the per-token entropy
     kl_loss_coef: float = 0.0  # verl's use_kl_loss: KL to pi_ref as a loss term
     kl_loss_type: str = "low_var_kl"
+    kl_loss_importance: bool = False  # multiply the KL loss by pi_theta / pi_old (TRL)
 
 
 @dataclass(frozen=True)
@@ -438,6 +450,12 @@ def proximal_kl_loss(
         )
     if cfg.kl_loss_coef:
         loss = loss + cfg.kl_loss_coef * kl_loss(
-            logp, ref, keep, cfg.kl_loss_type, cfg.loss_agg_mode, cfg.loss_scale_factor
+            logp,
+            ref,
+            keep,
+            cfg.kl_loss_type,
+            cfg.loss_agg_mode,
+            cfg.loss_scale_factor,
+            old if cfg.kl_loss_importance else None,
         )
     return ProximalKLOutput(loss, shaped, weights, keep)
