@@ -174,6 +174,7 @@ def test_the_numpy_parts_import_without_torch() -> None:
     code = (
         "import sys; sys.modules['torch'] = None\n"
         "import turnstile.train, turnstile.train.rescore, turnstile.train.corrections\n"
+        "import turnstile.train.shaping, turnstile.train.packing\n"
         "import turnstile.train.jsd, turnstile.train.dataset, turnstile.cli.main\n"
         "from turnstile.train import gdpo_advantages\n"
         "print(round(float(gdpo_advantages([[1, 0], [0, 1], [0, 0]], [0, 0, 0])[0]), 3))\n"
