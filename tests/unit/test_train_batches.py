@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -163,3 +164,118 @@ def test_to_torch_converts_every_array(tmp_path: Path) -> None:
     t = batches.to_torch(batches.pad_batch(load(tmp_path)))
     assert t["input_ids"].dtype == torch.int64 and t["advantages"].dtype == torch.float32
     assert tuple(t["loss_mask"].shape) == (2, 5)
+
+
+def sample(
+    rollout: str,
+    index: int,
+    group: str,
+    mask: Sequence[int],
+    rewards: dict[str, float],
+) -> batches.TrainSample:
+    """A sample of a (possibly split) rollout; ``mask`` may have several masked spans."""
+    n = len(mask)
+    return batches.TrainSample(
+        rollout_id=rollout,
+        sample_index=index,
+        group_id=group,
+        task_id="t",
+        rollout_status="finished",
+        input_ids=np.arange(n, dtype=np.int32) + 5,
+        loss_mask=np.array(mask, dtype=np.int8),
+        behavior_logprobs=np.full(n, -1.0, dtype=np.float32),
+        rewards=dict(rewards),
+        reward_info={},
+        policy_versions=np.zeros(1, dtype=np.int64),
+        min_policy_version=0,
+        max_policy_version=0,
+    )
+
+
+def test_a_split_rollout_counts_once_in_its_group() -> None:
+    # rollout A (reward 1) split into two samples, rollout B (reward 0): +-1/sqrt(2), not
+    # the per-sample [0.577, 0.577, -1.155]
+    samples = [
+        sample("A", 0, "g", [0, 1, 1], {"r": 1.0}),
+        sample("A", 1, "g", [0, 0, 1, 1], {"r": 1.0}),
+        sample("B", 0, "g", [0, 1, 1], {"r": 0.0}),
+    ]
+    half = 1 / math.sqrt(2)
+    np.testing.assert_allclose(batches.assign_grpo(samples), [half, half, -half], atol=1e-6)
+    assert samples[1].advantages is not None
+    np.testing.assert_allclose(samples[1].advantages, [0, 0, half, half], atol=1e-6)
+    # GDPO (both variants) and its batch normalisation run over rollouts as well
+    two = [
+        sample("A", 0, "g", [1], {"x": 1.0, "y": 0.0}),
+        sample("A", 1, "g", [1], {"x": 1.0, "y": 0.0}),
+        sample("B", 0, "g", [1], {"x": 0.0, "y": 1.0}),
+        sample("C", 0, "h", [1], {"x": 0.0, "y": 0.0}),
+        sample("D", 0, "h", [1], {"x": 1.0, "y": 1.0}),
+    ]
+    # per rollout, before batch norm: A, B = +-(2 * 0.7071) / ... : A: +0.7071 - 0.7071 = 0,
+    # B: 0; C: -1.4142, D: +1.4142 (eps 1e-4 aside) -> batch-normalised over 4 values
+    got = batches.assign_gdpo(two)
+    sums = np.array([0.0, 0.0, -2 / (math.sqrt(0.5) + 1e-4), 2 / (math.sqrt(0.5) + 1e-4)])
+    sums *= 0.5  # (x - mean) over std + eps, for each of the two rewards: +-0.5 / 0.7072
+    expected = (sums - sums.mean()) / (sums.std(ddof=1) + 1e-4)
+    np.testing.assert_allclose(got, expected[[0, 0, 1, 2, 3]], atol=1e-9)
+    with pytest.raises(ValueError):
+        batches.assign_grpo([sample("A", 0, "g", [1], {"r": 1.0}), sample("A", 1, "g", [1], {})])
+
+
+def test_mrtpo_on_a_split_multi_turn_rollout_keeps_per_reward_totals() -> None:
+    # rollout A: two samples, the first with two masked spans (multi-turn), 5 loss tokens
+    a0 = sample("A", 0, "g", [0, 1, 1, 0, 0, 1, 0], {"x": 1.0, "y": 1.0})
+    a1 = sample("A", 1, "g", [0, 0, 1, 0, 1], {"x": 1.0, "y": 1.0})
+    b = sample("B", 0, "g", [0, 1, 1, 1], {"x": 0.0, "y": 0.0})
+    relevance = {
+        ("A", 0, "x"): np.array([0.1, 0.0, 0.3]),
+        ("A", 1, "x"): np.array([0.0, 0.1]),
+        ("A", 0, "y"): np.array([0.2, 0.2, 0.2]),
+        ("A", 1, "y"): np.array([0.2, 0.2]),
+    }
+    tokens = batches.assign_mrtpo([a0, a1, b], relevance, floor=1.0, max_weight=None)
+    # per reward over A's 5 tokens: x weights 5 * d / 0.5 = [1, 0, 3, 0, 1], y uniform;
+    # GDPO per reward for (A, B): x and y both +0.7071 / -0.7071 (eps 1e-4)
+    ax = ay = 0.5 / (math.sqrt(0.5) + 1e-4)
+    raw_a = ax * np.array([1, 0, 3, 0, 1]) + ay * np.ones(5)
+    # batch normalisation over the rollouts' sums (A: ax + ay, B: -(ax + ay))
+    total = np.array([ax + ay, -ax - ay])
+    mean, std = total.mean(), total.std(ddof=1)
+    np.testing.assert_allclose(
+        np.concatenate([tokens[0], tokens[1]]), (raw_a - mean) / (std + 1e-4)
+    )
+    # the rollout's total is its length times its GDPO advantage (before batch norm)
+    before = np.concatenate([tokens[0], tokens[1]]) * (std + 1e-4) + mean
+    assert before.sum() == pytest.approx(5 * (ax + ay))
+    # loss_mask alignment: the token advantages sit on the masked positions, in order
+    assert a0.advantages is not None and a1.advantages is not None
+    assert np.flatnonzero(a0.advantages).tolist() == [1, 2, 5]
+    np.testing.assert_allclose(a0.advantages[[1, 2, 5]], tokens[0])
+    np.testing.assert_allclose(a1.advantages[[2, 4]], tokens[1])
+    assert a1.advantages[[0, 1, 3]].tolist() == [0, 0, 0]
+    # a sample of the rollout without relevance: its tokens are unknown (weight 1)
+    del relevance[("A", 1, "x")]
+    tokens = batches.assign_mrtpo(
+        [a0, a1, b], relevance, floor=1.0, max_weight=None, weights=[1.0, 0.0]
+    )
+    # x over A: known [0.1, 0, 0.3] share 3 tokens: 3 * d / 0.4; unknown two get 1
+    # (batch sums now +-ax)
+    std = float(np.std([ax, -ax], ddof=1))
+    np.testing.assert_allclose(
+        np.concatenate([tokens[0], tokens[1]]) * (std + 1e-4),
+        ax * np.array([0.75, 0.0, 2.25, 1.0, 1.0]),
+    )
+    with pytest.raises(ValueError):
+        batches.assign_mrtpo([a0], {("A", 0, "x"): np.zeros(4)})
+
+
+def test_batches_carry_the_rollout_order() -> None:
+    samples = [
+        sample("A", 0, "g", [0, 1], {"r": 1.0}),
+        sample("B", 0, "g", [0, 1], {"r": 0.0}),
+        sample("A", 1, "g", [0, 1], {"r": 1.0}),
+    ]
+    for b in (batches.pad_batch(samples), batches.pack_batch(samples)):
+        assert b["rollout_index"].tolist() == [0, 1, 0]
+        assert b["sample_index"].tolist() == [0, 0, 1]

@@ -28,11 +28,24 @@ def test_token_and_sequence_tis_mis_and_geometric_ratio() -> None:
     np.testing.assert_allclose(corr.token_tis(old, mu, MASK), [[1.25, 0.8, 1.0, 2.0]], atol=TOL)
     assert math.exp(corr.sequence_log_ratio(old, mu, MASK)[0]) == pytest.approx(5.0, abs=TOL)
     np.testing.assert_allclose(corr.sequence_tis(old, mu, MASK), [[2.0] * 4], atol=TOL)
-    assert corr.sequence_mis(old, mu, MASK, 0.5, 2.0).tolist() == [False]
-    assert corr.sequence_mis(old, mu, MASK, 0.5, 6.0).tolist() == [True]
+    assert corr.sequence_rs(old, mu, MASK, 0.5, 2.0).tolist() == [False]
+    assert corr.sequence_rs(old, mu, MASK, 0.5, 6.0).tolist() == [True]
     geo = math.exp(corr.geometric_log_ratio(old, mu, MASK)[0])
     assert geo == pytest.approx(1.4953, abs=TOL)
-    assert corr.sequence_mis(old, mu, MASK, 0.5, 2.0, geometric=True).tolist() == [True]
+    assert corr.sequence_rs(old, mu, MASK, 0.5, 2.0, geometric=True).tolist() == [True]
+    # the old name still works, with a deprecation warning (it was always rejection)
+    with pytest.warns(DeprecationWarning, match="sequence_rs"):
+        assert corr.sequence_mis(old, mu, MASK, 0.5, 2.0).tolist() == [False]
+
+
+def test_seq_mis_keeps_the_weight_of_a_kept_sequence() -> None:
+    # Seq-MIS = rho_seq * 1{rho_seq <= C}: rho 1.8, C 2 -> 1.8 (rejection sampling: 1.0);
+    # rho 3 -> 0
+    mask = np.ones((2, 2))
+    old = np.log(np.array([[1.5, 1.2], [1.5, 2.0]]))
+    w = corr.sequence_mis_weights(old, np.zeros_like(old), mask, cap=2.0)
+    np.testing.assert_allclose(w, [[1.8, 1.8], [0.0, 0.0]], atol=1e-12)
+    assert corr.sequence_rs(old, np.zeros_like(old), mask, 0.5, 2.0).tolist() == [True, False]
 
 
 def test_icepop_veto_and_masking() -> None:
@@ -62,7 +75,7 @@ def test_corrections_on_torch_match_numpy_and_are_detached() -> None:
     w = corr.token_tis(t_old, torch.tensor(mu), torch.tensor(MASK))
     assert not w.requires_grad
     np.testing.assert_allclose(w.numpy(), corr.token_tis(old, mu, MASK))
-    assert corr.sequence_mis(t_old, torch.tensor(mu), torch.tensor(MASK)).tolist() == [False]
+    assert corr.sequence_rs(t_old, torch.tensor(mu), torch.tensor(MASK)).tolist() == [False]
 
 
 def test_kl_estimators() -> None:
@@ -151,7 +164,7 @@ def test_proximal_kl_reduces_to_grpo_ppo_when_mu_is_old_and_beta_is_zero() -> No
     ref = old - torch.rand(3, 7, generator=g, dtype=torch.float64)
     adv = torch.randn(3, 1, generator=g, dtype=torch.float64).expand(3, 7)
     mask = (torch.rand(3, 7, generator=g) > 0.3).to(torch.float64)
-    for correction in ("token_tis", "sequence_tis", "icepop", "sequence_mis", "none"):
+    for correction in losses.CORRECTIONS:
         out = losses.proximal_kl_loss(
             logp, old, old, ref, adv, mask, losses.ProximalKLConfig(beta=0.0, correction=correction)
         )
@@ -167,7 +180,7 @@ def test_proximal_kl_reduces_to_grpo_ppo_when_mu_is_old_and_beta_is_zero() -> No
     assert float(stale.weights.max()) <= corr.DEFAULT_TIS_CAP
 
 
-def test_sequence_mis_rejection_changes_the_denominator() -> None:
+def test_sequence_rs_rejection_changes_the_denominator() -> None:
     logp = torch.zeros(2, 3, dtype=torch.float64, requires_grad=True)
     old = torch.zeros(2, 3, dtype=torch.float64)
     mu = old.clone()
@@ -180,7 +193,7 @@ def test_sequence_mis_rejection_changes_the_denominator() -> None:
         old,
         adv,
         torch.ones(2, 3),
-        losses.ProximalKLConfig(correction="sequence_mis"),
+        losses.ProximalKLConfig(correction="sequence_rs"),
     )
     assert out.mask.tolist() == [[True] * 3, [False] * 3]
     assert float(out.loss.detach()) == pytest.approx(-1.0)

@@ -16,6 +16,7 @@ import torch
 
 from tests.unit.test_train_batches import group_records, write_shard
 from turnstile.cli.main import main as cli_main
+from turnstile.train import advantages as adv
 from turnstile.train import jsd, rescore, rescore_torch
 from turnstile.train.dataset import ShardFollower
 
@@ -122,8 +123,31 @@ def test_backend_rescore_writes_bounded_jsd_and_resumes(tmp_path: Path, backend:
     assert set(rel) == {("g-0", 0, "correct"), ("g-1", 0, "correct"), ("g-2", 0, "correct")}
     laid = rescore.relevance_for(list(samples.values()), rel)
     assert laid[("g-1", 0, "correct")].shape == (4,)
-    lower = rescore.read_relevance(tmp_path, use="jsd")
-    assert (lower[("g-1", 0, "correct")] <= rel[("g-1", 0, "correct")] + 1e-9).all()
+    # the tiny vocabulary's top-3 leave most of the mass out: every token is unknown
+    assert np.isnan(rel[("g-1", 0, "correct")]).all()
+    lower = rescore.read_relevance(tmp_path, max_tail=1.0)
+    mid = rescore.read_relevance(tmp_path, use="mid", max_tail=1.0)
+    assert (lower[("g-1", 0, "correct")] <= mid[("g-1", 0, "correct")] + 1e-9).all()
+
+
+def test_default_relevance_is_the_lower_bound_with_the_tail_explicit() -> None:
+    # Token A: the verifier info changes nothing, but its top-k cover only 70% of the mass
+    # (JSD interval [0, 0.5 * 0.6 * ln 2]); token B: a real JSD of 0.051, fully covered.
+    lower, upper = [0.0, 0.051], [0.3 * math.log(2), 0.051]
+    tails = [0.3, 0.0]
+    mid = rescore.relevance_from_bounds(lower, upper, tails, tails, use="mid")
+    # the midpoint ranks A first: weights [1.35, 0.65] (0.104 and 0.051 over their mean)
+    np.testing.assert_allclose(
+        adv.mrtpo_token_weights(mid, floor=1.0, max_weight=None), [1.3419, 0.6581], atol=1e-4
+    )
+    # the default (lower bound) gives the exact weights [0, 2]
+    d = rescore.relevance_from_bounds(lower, upper, tails, tails)
+    np.testing.assert_allclose(adv.mrtpo_token_weights(d, floor=1.0, max_weight=None), [0, 2])
+    # a token whose top-k miss more than half of the mass is unknown (NaN, weight 1)
+    wide = rescore.relevance_from_bounds([0.0, 0.05], [0.6, 0.05], [0.8, 0.0], [0.9, 0.0])
+    assert np.isnan(wide[0]) and wide[1] == 0.05
+    with pytest.raises(ValueError):
+        rescore.relevance_from_bounds(lower, upper, tails, tails, use="max")
 
 
 @pytest.mark.parametrize("command", ["rescore", "replay"])

@@ -1,12 +1,15 @@
 """Trainer-side library for Turnstile's shards: batches, advantages, corrections, losses.
 
-Numpy only: ``batches`` (padded and packed batches, advantages assigned to samples),
-``dataset`` (follow published shards, resumable, filters, complete GRPO groups),
-``advantages`` (GRPO, GDPO, MRTPO), ``corrections`` (TIS, IcePop, MIS, veto, KL
-estimators; also on torch tensors), ``jsd`` and ``rescore`` (re-scoring for MRTPO through a
-vLLM backend's prompt_logprobs). With the ``train`` extra (PyTorch): ``losses`` (PPO/GRPO
-clip and Proximal KL), ``policy`` (token log-probabilities of a causal LM), ``torchdata``
-(``ShardIterableDataset``) and ``rescore_torch`` (exact re-scoring from full logits).
+Numpy only: ``batches`` (padded and packed batches, advantages assigned to samples per
+rollout), ``dataset`` (follow published shards, resumable, filters, complete GRPO groups),
+``advantages`` (GRPO, GDPO's two forks, MRTPO), ``shaping`` (DAPO's overlong shaping and
+filtering, dynamic sampling, KL in the reward), ``corrections`` (TIS, IcePop, Seq-MIS,
+Seq-RS, verl's rejection options, veto, KL estimators; also on torch tensors),
+``packing`` (packed rows by ``cu_seqlens``), ``jsd`` and ``rescore`` (re-scoring for MRTPO
+through a vLLM backend's prompt_logprobs). With the ``train`` extra (PyTorch): ``losses``
+(verl's policy loss and its variants, Proximal KL), ``policy`` (token log-probabilities of
+a causal LM), ``torchdata`` (``ShardIterableDataset``) and ``rescore_torch`` (exact
+re-scoring from full logits).
 
 MRTPO and Proximal KL are implemented from the reading of their published abstracts given
 in Turnstile's method notes; their modules say so.

@@ -11,7 +11,7 @@ aligned with ``loss_mask``. Numpy and pyarrow only; ``to_torch`` converts lazily
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -118,41 +118,134 @@ def samples_from_batch(batch: pa.RecordBatch | pa.Table) -> Iterator[TrainSample
 # ----------------------------------------------------------------- advantages on samples
 
 
-def _group_keys(samples: Sequence[TrainSample]) -> list[str]:
-    # A sample without a group is its own group (its advantage is then 0).
+def group_keys(samples: Sequence[TrainSample]) -> list[str]:
+    """Each sample's group key; a sample without a group is its own (advantage 0)."""
     return [s.group_id if s.group_id is not None else f"\0{s.rollout_id}" for s in samples]
 
 
-def _assign_per_sample(
-    estimator: Callable[..., npt.NDArray[np.float64]],
-    samples: Sequence[TrainSample],
-    reward_names: Sequence[str] | None,
-    weights: Sequence[float] | None,
+@dataclass(frozen=True)
+class Rollouts:
+    """The rollouts of a list of samples: a rollout split into several samples is one.
+
+    ``members[r]`` are the indices (into the samples) of rollout ``r``'s samples in order of
+    ``sample_index``; ``of_sample[i]`` is sample ``i``'s rollout. Rollouts are numbered in
+    order of first appearance.
+    """
+
+    members: list[list[int]]
+    of_sample: npt.NDArray[np.int64]
+
+    @classmethod
+    def of(cls, samples: Sequence[TrainSample]) -> Rollouts:
+        numbers: dict[str, int] = {}
+        members: list[list[int]] = []
+        of_sample = np.zeros(len(samples), dtype=np.int64)
+        for i, s in enumerate(samples):
+            r = numbers.setdefault(s.rollout_id, len(numbers))
+            if r == len(members):
+                members.append([])
+            members[r].append(i)
+            of_sample[i] = r
+        for m in members:
+            m.sort(key=lambda i: samples[i].sample_index)
+            first = samples[m[0]]
+            for i in m[1:]:
+                if samples[i].rewards != first.rewards or samples[i].group_id != first.group_id:
+                    raise ValueError(
+                        f"rollout {first.rollout_id}: its samples disagree on rewards or group"
+                    )
+        return cls(members, of_sample)
+
+    def firsts(self, samples: Sequence[TrainSample]) -> list[TrainSample]:
+        """One sample per rollout (the first), for its rewards and group."""
+        return [samples[m[0]] for m in self.members]
+
+    def loss_tokens(self, samples: Sequence[TrainSample]) -> npt.NDArray[np.int64]:
+        """Each rollout's number of loss tokens over all its samples."""
+        return np.array([sum(samples[i].num_loss_tokens for i in m) for m in self.members])
+
+
+def _assign_per_rollout(
+    samples: Sequence[TrainSample], values: npt.NDArray[np.float64], rollouts: Rollouts
 ) -> npt.NDArray[np.float64]:
-    """One advantage per sample from ``estimator`` (GRPO, GDPO), spread over its mask."""
-    rewards, _ = adv.reward_matrix([s.rewards for s in samples], reward_names)
-    a = estimator(rewards, _group_keys(samples), weights)
-    for s, value in zip(samples, a, strict=True):
+    """Lay one value per rollout onto every sample of it; return the per-sample values."""
+    per_sample = values[rollouts.of_sample]
+    for s, value in zip(samples, per_sample, strict=True):
         s.advantages = adv.spread_over_mask(value, s.loss_mask)
-    return a
+    return np.asarray(per_sample, dtype=np.float64)
 
 
 def assign_grpo(
     samples: Sequence[TrainSample],
     reward_names: Sequence[str] | None = None,
     weights: Sequence[float] | None = None,
+    nan: str = "zero",
 ) -> npt.NDArray[np.float64]:
-    """Set GRPO per-token advantages on ``samples``; return the per-sample advantages."""
-    return _assign_per_sample(adv.grpo_advantages, samples, reward_names, weights)
+    """Set GRPO per-token advantages on ``samples``; return the per-sample advantages.
+
+    The advantage is computed once per rollout (a rollout split into several samples
+    counts once in its group) and laid onto each of its samples.
+    """
+    rollouts = Rollouts.of(samples)
+    firsts = rollouts.firsts(samples)
+    rewards, _ = adv.reward_matrix([s.rewards for s in firsts], reward_names)
+    a = adv.grpo_advantages(rewards, group_keys(firsts), weights, nan=nan)
+    return _assign_per_rollout(samples, a, rollouts)
 
 
 def assign_gdpo(
     samples: Sequence[TrainSample],
     reward_names: Sequence[str] | None = None,
     weights: Sequence[float] | None = None,
+    variant: str = "trl",
+    nan: str = "zero",
 ) -> npt.NDArray[np.float64]:
-    """Set GDPO per-token advantages on ``samples``; return the per-sample advantages."""
-    return _assign_per_sample(adv.gdpo_advantages, samples, reward_names, weights)
+    """Set GDPO per-token advantages on ``samples``; return the per-sample advantages.
+
+    Per rollout, as ``assign_grpo``; the batch normalisation runs over rollouts
+    (``variant="trl"``) or over all loss tokens of the rollouts (``variant="verl"``).
+    """
+    rollouts = Rollouts.of(samples)
+    firsts = rollouts.firsts(samples)
+    rewards, _ = adv.reward_matrix([s.rewards for s in firsts], reward_names)
+    a = adv.gdpo_advantages(
+        rewards,
+        group_keys(firsts),
+        weights,
+        variant=variant,
+        nan=nan,
+        token_counts=rollouts.loss_tokens(samples),
+    )
+    return _assign_per_rollout(samples, a, rollouts)
+
+
+def _rollout_relevance(
+    samples: Sequence[TrainSample],
+    members: Sequence[int],
+    name: str,
+    relevance: Mapping[tuple[str, int, str], npt.ArrayLike],
+) -> npt.NDArray[np.float64] | None:
+    """A reward's relevance over a rollout's loss tokens, its samples in order.
+
+    A sample without an entry is unknown there (NaN); None when no sample has one.
+    """
+    parts: list[npt.NDArray[np.float64]] = []
+    found = False
+    for i in members:
+        s = samples[i]
+        d = relevance.get((s.rollout_id, s.sample_index, name))
+        if d is None:
+            parts.append(np.full(s.num_loss_tokens, np.nan))
+            continue
+        found = True
+        values = np.asarray(d, dtype=np.float64)
+        if values.shape != (s.num_loss_tokens,):
+            raise ValueError(
+                f"sample {s.key}: relevance of {name!r} has {values.shape[0]} values for "
+                f"{s.num_loss_tokens} loss tokens"
+            )
+        parts.append(values)
+    return np.concatenate(parts) if found else None
 
 
 def assign_mrtpo(
@@ -160,29 +253,58 @@ def assign_mrtpo(
     relevance: Mapping[tuple[str, int, str], npt.ArrayLike],
     reward_names: Sequence[str] | None = None,
     weights: Sequence[float] | None = None,
-    floor: float = 1.0,
+    floor: float = adv.MRTPO_DEFAULT_FLOOR,
     temperature: float = 1.0,
+    max_weight: float | None = adv.MRTPO_DEFAULT_MAX_WEIGHT,
+    nan: str = "zero",
 ) -> list[npt.NDArray[np.float64]]:
     """Set MRTPO per-token advantages on ``samples`` (implemented from the notes' reading).
 
     ``relevance[(rollout_id, sample_index, reward_name)]`` is that reward's per-token JSD
-    over the sample's loss tokens (e.g. from ``turnstile.train.rescore.read_relevance``);
-    a reward without an entry is spread uniformly, as in GDPO.
+    over the sample's loss tokens (e.g. from ``turnstile.train.rescore.read_relevance`` and
+    ``relevance_for``); NaN marks a token whose relevance is unknown. The weights are
+    normalised over a rollout's loss tokens across all its samples (a rollout split into
+    several samples counts once), so each rollout's token advantages sum to its length
+    times its GDPO advantage. A reward without an entry is spread uniformly, as in GDPO.
+    Returns the per-sample token advantages over each sample's loss tokens.
     """
-    rewards, names = adv.reward_matrix([s.rewards for s in samples], reward_names)
-    per_reward = adv.gdpo_reward_advantages(rewards, _group_keys(samples))
-    rel = [[relevance.get((s.rollout_id, s.sample_index, k)) for k in names] for s in samples]
+    rollouts = Rollouts.of(samples)
+    firsts = rollouts.firsts(samples)
+    rewards, names = adv.reward_matrix([s.rewards for s in firsts], reward_names)
+    per_reward = np.nan_to_num(
+        adv.gdpo_reward_advantages(rewards, group_keys(firsts), nan=nan), nan=0.0
+    )
+    rel = [[_rollout_relevance(samples, m, k, relevance) for k in names] for m in rollouts.members]
     tokens = adv.mrtpo_batch(
         per_reward,
         rel,
         weights,
         floor,
         temperature,
-        num_tokens=[s.num_loss_tokens for s in samples],
+        num_tokens=[int(n) for n in rollouts.loss_tokens(samples)],
+        max_weight=max_weight,
     )
-    for s, t in zip(samples, tokens, strict=True):
-        s.advantages = adv.spread_over_mask(t, s.loss_mask)
-    return tokens
+    out: list[npt.NDArray[np.float64]] = [np.zeros(0)] * len(samples)
+    for r, m in enumerate(rollouts.members):
+        start = 0
+        for i in m:
+            n = samples[i].num_loss_tokens
+            out[i] = tokens[r][start : start + n]
+            samples[i].advantages = adv.spread_over_mask(out[i], samples[i].loss_mask)
+            start += n
+    return out
+
+
+def rollout_order(
+    samples: Sequence[TrainSample],
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """``(rollout_index, sample_index)`` per sample: which rollout, and its place in it.
+
+    ``turnstile.train.losses`` uses them to run the future-KL cost on across a rollout's
+    samples.
+    """
+    rollouts = Rollouts.of(samples)
+    return rollouts.of_sample, np.array([s.sample_index for s in samples], dtype=np.int64)
 
 
 # ----------------------------------------------------------------- layouts
@@ -208,7 +330,8 @@ def pad_batch(
     Keys: ``input_ids`` (int64), ``attention_mask`` and ``loss_mask`` (int64, 0 on padding),
     ``position_ids``, ``behavior_logprobs`` (float32, 0 where the mask is 0),
     ``advantages`` (float32), ``group_index`` (int64, dense per group id),
-    ``policy_version`` (int64, each sample's oldest turn; -1 if unknown). Samples longer
+    ``policy_version`` (int64, each sample's oldest turn; -1 if unknown), ``rollout_index``
+    and ``sample_index`` (int64 per row: its rollout, its place in it). Samples longer
     than ``max_length`` are truncated on the right.
     """
     if not samples:
@@ -234,8 +357,9 @@ def pad_batch(
         out["position_ids"][i, :n] = np.arange(n)
         out["behavior_logprobs"][i, :n] = np.where(mask > 0, s.behavior_logprobs[:n], 0.0)
         out["advantages"][i, :n] = _token_advantages(s)[:n]
-    keys = list(group_ids) if group_ids is not None else _group_keys(samples)
+    keys = list(group_ids) if group_ids is not None else group_keys(samples)
     out["group_index"] = adv._group_index(keys)[0]
+    out["rollout_index"], out["sample_index"] = rollout_order(samples)
     out["policy_version"] = np.array(
         [-1 if s.min_policy_version is None else s.min_policy_version for s in samples],
         dtype=np.int64,
@@ -248,7 +372,8 @@ def pack_batch(samples: Sequence[TrainSample], max_tokens: int | None = None) ->
 
     ``position_ids`` restart at 0 for every sample and ``cu_seqlens`` (``(B + 1,)``, int32)
     gives their boundaries, as varlen attention kernels expect; ``sequence_index`` says
-    which sample each token belongs to. ``max_tokens`` raises when the total is larger.
+    which sample each token belongs to; ``group_index``, ``rollout_index`` and
+    ``sample_index`` are per sample. ``max_tokens`` raises when the total is larger.
     """
     if not samples:
         raise ValueError("an empty batch")
@@ -271,8 +396,9 @@ def pack_batch(samples: Sequence[TrainSample], max_tokens: int | None = None) ->
         ],
         "sequence_index": np.repeat(np.arange(len(samples)), lengths)[None],
         "cu_seqlens": cu,
-        "group_index": adv._group_index(_group_keys(samples))[0],
+        "group_index": adv._group_index(group_keys(samples))[0],
     }
+    out["rollout_index"], out["sample_index"] = rollout_order(samples)
     return out
 
 

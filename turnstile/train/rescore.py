@@ -65,6 +65,10 @@ DEFAULT_CONCURRENCY: Final[int] = 4
 # One scoring request: a prefill of at most a few thousand tokens, slow on CPUs, and it
 # may wait behind the server's other work.
 REQUEST_TIMEOUT_S: Final[float] = 600.0
+# A token whose top-k leave more than half of the mass (mean of both tails) unexplained
+# has a JSD interval too wide to rank it: its relevance is unknown (NaN) rather than a guess.
+DEFAULT_MAX_TAIL: Final[float] = 0.5
+RELEVANCE_USES: Final[tuple[str, ...]] = ("jsd", "jsd_upper", "mid")
 # Rows per written replays shard.
 ROWS_PER_SHARD: Final[int] = 4096
 
@@ -355,31 +359,60 @@ def read_replays(output: str | Path, method: str | None = None) -> pa.Table:
     return table
 
 
+def relevance_from_bounds(
+    lower: npt.ArrayLike,
+    upper: npt.ArrayLike,
+    tail_base: npt.ArrayLike,
+    tail_info: npt.ArrayLike,
+    use: str = "jsd",
+    max_tail: float = DEFAULT_MAX_TAIL,
+) -> npt.NDArray[np.float64]:
+    """Per-token relevance from a replay's JSD bounds, with the tail handled explicitly.
+
+    ``use`` is ``jsd`` (the lower bound, the default: exact for ``logits``, and it does
+    not grow with the mass the top-k miss), ``jsd_upper`` or ``mid`` (the middle of the
+    interval: it grows with the tail, so a token the verifier info does not change but
+    whose top-k cover little can outrank a truly relevant one; kept for comparison). A
+    token whose mean tail ``(tail_base + tail_info) / 2`` exceeds ``max_tail`` is
+    *unknown* (NaN): MRTPO gives it the uniform weight 1.
+    """
+    lo = np.asarray(lower, dtype=np.float64)
+    hi = np.asarray(upper, dtype=np.float64)
+    if use not in RELEVANCE_USES:
+        raise ValueError(f"use must be one of {RELEVANCE_USES}, not {use!r}")
+    values = {"jsd": lo, "jsd_upper": hi, "mid": 0.5 * (lo + hi)}[use].copy()
+    tail = 0.5 * (np.asarray(tail_base, dtype=np.float64) + np.asarray(tail_info, np.float64))
+    values[tail > max_tail] = np.nan
+    return values
+
+
 def read_relevance(
-    output: str | Path, method: str | None = None, use: str = "mid"
+    output: str | Path,
+    method: str | None = None,
+    use: str = "jsd",
+    max_tail: float = DEFAULT_MAX_TAIL,
 ) -> dict[tuple[str, int, str], npt.NDArray[np.float64]]:
     """``{(rollout_id, sample_index, reward): d over the scored tokens}`` from replays.
 
-    ``use`` is ``jsd`` (the lower bound; exact for ``logits``), ``jsd_upper`` or ``mid``
-    (the middle of the interval, the default). Where the top-k hold little of the mass the
-    lower bound is near 0 whatever the true JSD, and weights normalised from it would be
-    noise; the midpoint then makes those tokens nearly equal (GDPO's uniform spread). For
-    the exact path all three are the same. Later rows win.
+    See ``relevance_from_bounds`` for ``use`` and ``max_tail`` (NaN marks a token whose
+    top-k covered too little of the mass to tell). Later rows win.
     """
     table = read_replays(output, method)
     out: dict[tuple[str, int, str], npt.NDArray[np.float64]] = {}
     for row in table.to_pylist():
-        lower = np.asarray(row["jsd"], dtype=np.float64)
-        upper = np.asarray(row["jsd_upper"], dtype=np.float64)
-        values = {"jsd": lower, "jsd_upper": upper, "mid": 0.5 * (lower + upper)}[use]
-        out[(row["rollout_id"], row["sample_index"], row["reward_name"])] = values
+        out[(row["rollout_id"], row["sample_index"], row["reward_name"])] = relevance_from_bounds(
+            row["jsd"], row["jsd_upper"], row["tail_base"], row["tail_info"], use, max_tail
+        )
     return out
 
 
 def relevance_for(
     samples: Sequence[TrainSample], replays: Mapping[tuple[str, int, str], npt.ArrayLike]
 ) -> dict[tuple[str, int, str], npt.NDArray[np.float64]]:
-    """Re-scored relevances laid out over each sample's loss tokens (0 where not scored)."""
+    """Re-scored relevances laid out over each sample's loss tokens.
+
+    NaN where not scored (a token at index 0 has no context): MRTPO treats it as unknown.
+    """
     out: dict[tuple[str, int, str], npt.NDArray[np.float64]] = {}
     for s in samples:
         mask_idx = np.flatnonzero(s.loss_mask > 0)
@@ -388,7 +421,7 @@ def relevance_for(
             d = replays.get((s.rollout_id, s.sample_index, name))
             if d is None:
                 continue
-            full = np.zeros(mask_idx.size)
+            full = np.full(mask_idx.size, np.nan)
             full[np.searchsorted(mask_idx, scored)] = np.asarray(d, dtype=np.float64)
             out[(s.rollout_id, s.sample_index, name)] = full
     return out
