@@ -6,11 +6,13 @@ functions themselves (verl 0.9.1 ``core_algos.compute_policy_loss_vanilla``, ``a
 ``compute_rollout_rejection_mask``; verl's ``compute_grpo_outcome_advantage`` and
 ``masked_whiten`` as NVlabs' verl-GDPO fork combines them; TRL 1.16.0
 ``GRPOTrainer._compute_loss``) on fixed tensors, made by ``generate.py`` next to it: verl
-cannot be installed here with its dependencies. Every comparison holds to 1e-6.
+cannot be installed here with its dependencies. Every comparison holds to 1e-6. TRL does
+install (the ``reference`` extra), and the last test runs it live on the same tensors.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -176,3 +178,32 @@ def test_grpo_loss_matches_trl(case: int) -> None:
     (grad,) = torch.autograd.grad(loss, logp)
     close(loss, ref["loss"])
     close(grad, ref["grad"])
+
+
+def _generator() -> Any:
+    """tests/fixtures/train_reference/generate.py, the script that made the fixture."""
+    path = Path(__file__).resolve().parents[1] / "fixtures" / "train_reference" / "generate.py"
+    spec = importlib.util.spec_from_file_location("train_reference_generate", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_trl_itself_still_computes_the_fixture() -> None:
+    """TRL installs here (the `reference` extra): its `GRPOTrainer._compute_loss` runs
+    live on the fixture's tensors and gives the fixture's numbers, which the tests above
+    hold Turnstile's losses to."""
+    from importlib import metadata
+
+    generate = _generator()
+    assert metadata.version("trl") == REFERENCE["sources"]["trl"]
+    x = generate.inputs()
+    for name, value in tensors().items():
+        assert torch.equal(x[name], value), name
+    live = generate.trl_checks(x)["grpo_loss"]
+    assert len(live) == len(REFERENCE["trl"]["grpo_loss"])
+    for got, expected in zip(live, REFERENCE["trl"]["grpo_loss"], strict=True):
+        assert got["loss_type"] == expected["loss_type"]
+        np.testing.assert_allclose(got["loss"], expected["loss"], atol=1e-12, rtol=0)
+        np.testing.assert_allclose(got["grad"], expected["grad"], atol=1e-12, rtol=0)
