@@ -239,3 +239,21 @@ def test_a_stream_cut_mid_way_ends_in_error_and_response_failed(make_app: MakeAp
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     (turn,) = h.sink.turns
     assert turn.status is TurnStatus.ABORTED
+
+
+def test_an_answer_cut_at_max_output_tokens_is_completed_as_incomplete(
+    make_app: MakeApp,
+) -> None:
+    h = make_app(lambda body: Reply(text="abc", finish_reason="length"))
+    with TestClient(h.app) as http:
+        client = client_of(http)
+        whole = client.responses.create(model=MODEL, input="hi", max_output_tokens=4)
+        with client.responses.stream(model=MODEL, input="hi", max_output_tokens=4) as stream:
+            kinds = [event.type for event in stream]
+            streamed = stream.get_final_response()
+    for response in (whole, streamed):
+        assert response.status == "incomplete"
+        assert response.incomplete_details is not None
+        assert response.incomplete_details.reason == "max_output_tokens"
+        assert response.output_text == "abc"
+    assert kinds[-1] == "response.completed" and "response.incomplete" not in kinds

@@ -38,6 +38,7 @@ class MessagesStream:
         self.tool_used = False
         self.finish_reason: str | None = None
         self.matched: Any = None
+        self.input_tokens: int | None = None  # from the usage chunk
         self.output_tokens = 0
         self.delta_sent = False
 
@@ -88,7 +89,7 @@ class MessagesStream:
         if choice is None:
             counts = usage_counts(obj)
             if counts is not None:
-                self.output_tokens = counts[1]
+                self.input_tokens, self.output_tokens = counts
                 out += self._message_delta()
             return out
         ids = choice.get("token_ids")
@@ -137,10 +138,13 @@ class MessagesStream:
         self.delta_sent = True
         out = self._close()
         reason, sequence = stop_reason(self.finish_reason, self.matched, self.tool_used)
+        usage = {"output_tokens": self.output_tokens}
+        if self.input_tokens is not None:  # cumulative, as Anthropic's message_delta has it
+            usage["input_tokens"] = self.input_tokens
         event = {
             "type": "message_delta",
             "delta": {"stop_reason": reason, "stop_sequence": sequence},
-            "usage": {"output_tokens": self.output_tokens},
+            "usage": usage,
         }
         return out + sse_event("message_delta", event)
 

@@ -4,10 +4,12 @@
 run of reasoning (`reasoning_text` deltas), text (`output_text` deltas, inside a
 `message` item and its `output_text` part) or tool call (`function_call_arguments`
 deltas), each opened by `response.output_item.added` and closed by its `.done` events and
-`response.output_item.done`; `[DONE]` brings `response.completed` (or
-`response.incomplete` when the answer was cut at `max_output_tokens`) with the whole
-response. Every event carries its `sequence_number`. A failure part-way is an `error`
-event and `response.failed`, after which nothing more is sent. `on_complete` is called
+`response.output_item.done`; `[DONE]` brings `response.completed` with the whole
+response, whose status is `incomplete` when the answer was cut at `max_output_tokens` (as
+vLLM's own `/v1/responses` sends it: clients such as Codex treat a `response.incomplete`
+event as a failed call, and the SDKs' final-response helpers wait for `completed`).
+Every event carries its `sequence_number`. A failure part-way is an `error` event and
+`response.failed`, after which nothing more is sent. `on_complete` is called
 with the answer as a chat message before `response.completed` goes out, so the
 conversation is stored before the client can name it as `previous_response_id`.
 """
@@ -197,8 +199,7 @@ class ResponsesStream:
         calls = [self.calls[k] for k in sorted(self.calls)]
         message = r.assistant_message("".join(self.content), "".join(self.reasoning), calls)
         self.on_complete(message)
-        kind = "response.incomplete" if incomplete else "response.completed"
-        return out + self._event(kind, response=body)
+        return out + self._event("response.completed", response=body)
 
     def error(self, message: str) -> bytes:
         out = self._event("error", code="server_error", message=message, param=None)
