@@ -162,3 +162,29 @@ def test_the_first_delta_reaches_the_client_before_the_backends_last_token(
                 delta, (sent, total) = event.delta, backend_progress()
                 break
     assert delta == "a" and sent < total - 5
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/messages", {**MESSAGES, "stream": True}),
+        ("/v1/responses", {**RESPONSES, "stream": True}),
+    ],
+)
+def test_a_client_leaving_mid_stream_cancels_the_call(
+    make_app: MakeApp, live: Callable[[FastAPI], LiveServer], path: str, body: Any
+) -> None:
+    h = make_app(lambda body: Reply(text="abcdefghijklmnopqrstuvwxyz", event_delay_s=0.05))
+    server = live(h.app)
+    with httpx.stream("POST", server.url + path, json=body, timeout=10) as resp:
+        first = next(resp.iter_bytes())
+        assert first.startswith(b"event: ")
+    deadline = time.monotonic() + 10
+    while h.app.state.proxy.in_flight and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert h.app.state.proxy.in_flight == 0
+    backend = h.backend.responses[-1]
+    assert backend.closed and backend.sent < len(backend.body)
+    server.stop()
+    (turn,) = h.sink.turns
+    assert turn.status.value == "aborted" and turn.http_status == 499
