@@ -260,3 +260,12 @@ def test_a_stream_cut_mid_way_ends_in_an_error_event(make_app: MakeApp) -> None:
     assert not any(e.startswith("event: message_stop") for e in events)
     (turn,) = h.sink.turns
     assert turn.status is TurnStatus.ABORTED
+
+
+def test_several_text_blocks_are_joined_as_vllm_joins_them(make_app: MakeApp) -> None:
+    h = make_app()
+    blocks = [{"type": "text", "text": "<reminder>"}, {"type": "text", "text": "do it"}]
+    body = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": blocks}]}
+    with TestClient(h.app) as http:
+        assert http.post("/v1/messages", json=body).status_code == 200
+    assert sent_chat(h)["messages"] == [{"role": "user", "content": "<reminder>\ndo it"}]

@@ -257,3 +257,19 @@ def test_an_answer_cut_at_max_output_tokens_is_completed_as_incomplete(
         assert response.incomplete_details.reason == "max_output_tokens"
         assert response.output_text == "abc"
     assert kinds[-1] == "response.completed" and "response.incomplete" not in kinds
+
+
+def test_several_text_parts_are_joined_as_vllm_joins_them(make_app: MakeApp) -> None:
+    h = make_app()
+    parts = [{"type": "input_text", "text": "<env>"}, {"type": "input_text", "text": "do it"}]
+    output = [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]
+    items = [
+        {"role": "user", "content": parts},
+        {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c", "output": output},
+    ]
+    with TestClient(h.app) as http:
+        assert http.post("/v1/responses", json={"model": MODEL, "input": items}).status_code == 200
+    messages = sent_chat(h)["messages"]
+    assert messages[0] == {"role": "user", "content": "<env>\ndo it"}
+    assert messages[2] == {"role": "tool", "tool_call_id": "c", "content": "a\nb"}

@@ -8,7 +8,9 @@ assistant message's `reasoning`, `redacted_thinking` (opaque) is dropped, `tool_
 becomes `tool_calls` and each `tool_result` a `tool` message. The mapping follows vLLM
 0.32's `/v1/messages` so a prompt renders as it would there. Images and documents are
 refused with 422 until the multimodal work lands; an assistant message last asks the
-backend to continue it (Anthropic's prefill).
+backend to continue it (Anthropic's prefill). Several text blocks of one message are
+joined with newlines, as vLLM joins text parts before a chat template renders them (and
+as TITO's own rendering needs: templates take string content).
 
 `from_chat` turns the chat answer into a Messages answer (`thinking`, `text` and
 `tool_use` blocks, `stop_reason` as vLLM maps it), and `error_body` writes any error in
@@ -152,9 +154,7 @@ def _add_message(message: dict[str, Any], i: int, out: list[dict[str, Any]]) -> 
             raise Unprocessable(f"{at}: a {kind!r:.40} block in a {role} message is not supported")
     chat: dict[str, Any] = {"role": role}
     if texts:
-        chat["content"] = (
-            texts[0] if len(texts) == 1 else [{"type": "text", "text": t} for t in texts]
-        )
+        chat["content"] = "\n".join(texts)  # as vLLM joins text parts for a template
     if reasoning:
         chat["reasoning"] = "".join(reasoning)
     if calls:

@@ -168,8 +168,6 @@ def _add_item(item: dict[str, Any], at: str, out: list[dict[str, Any]]) -> None:
     elif kind == "function_call_output":
         output = item.get("output")
         text = output if isinstance(output, str) else _content(output, f"{at}.output")
-        if not isinstance(text, str):
-            text = "\n".join(part["text"] for part in text)
         call_id = checks.text(item.get("call_id"), f"{at}.call_id")
         out.append({"role": "tool", "tool_call_id": call_id, "content": text})
     elif kind == "reasoning":
@@ -182,8 +180,9 @@ def _add_item(item: dict[str, Any], at: str, out: list[dict[str, Any]]) -> None:
         )
 
 
-def _content(value: Any, at: str) -> str | list[dict[str, Any]]:
-    """Message content: a string, or text parts (one part becomes a string)."""
+def _content(value: Any, at: str) -> str:
+    """Message content as one string: text parts joined with newlines, as vLLM joins them
+    before a chat template renders them (and as TITO's own rendering needs)."""
     if isinstance(value, str):
         return value
     texts: list[str] = []
@@ -196,9 +195,7 @@ def _content(value: Any, at: str) -> str | list[dict[str, Any]]:
             )
         field_name = "refusal" if kind == "refusal" else "text"
         texts.append(checks.text(part.get(field_name), f"{at}[{j}].{field_name}"))
-    if len(texts) == 1:
-        return texts[0]
-    return [{"type": "text", "text": t} for t in texts]
+    return "\n".join(texts)
 
 
 def _reasoning_text(item: dict[str, Any], at: str) -> str | None:
