@@ -45,6 +45,7 @@ from turnstile.server.auth import AuthMiddleware, RolloutKeys
 from turnstile.server.logs import RequestContext
 from turnstile.server.metrics import EventMetrics, HTTPMetrics, TurnstileMetrics, add_metrics_route
 from turnstile.server.routes.agent_protocols import AgentProtocolRoutes
+from turnstile.server.routes.agent_protocols import openapi_paths as agent_openapi_paths
 from turnstile.server.routes.api import add_routes, install_error_handlers
 from turnstile.server.routes.completions import CompletionFastPath, openapi_paths
 from turnstile.server.workers import WorkerRouter, WorkerSpec, id_factory, peer_clients
@@ -104,14 +105,15 @@ def _tito_backend(
 
 
 class TurnstileAPI(FastAPI):
-    """The app, whose OpenAPI schema also lists the completion routes served in front of
-    FastAPI (`turnstile.server.routes.completions`)."""
+    """The app, whose OpenAPI schema also lists the routes served in front of FastAPI
+    (`turnstile.server.routes.completions` and `.agent_protocols`)."""
 
     def openapi(self) -> dict[str, Any]:
         schema = self.openapi_schema
         if schema is None:
             schema = super().openapi()  # cached by FastAPI: completed once, here
-            schema["paths"] = {**openapi_paths(), **schema.get("paths", {})}
+            served = {**openapi_paths(), **agent_openapi_paths()}
+            schema["paths"] = {**served, **schema.get("paths", {})}
         return schema
 
 

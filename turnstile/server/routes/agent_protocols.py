@@ -34,7 +34,12 @@ from turnstile.protocols.responses_stream import ResponsesStream
 from turnstile.proxy.capture import CHAT
 from turnstile.proxy.core import Proxy, Relay, StreamRelay
 from turnstile.server.asgi import BodyReader
-from turnstile.server.routes.completions import call_headers, complete_or_cancel, send_relay
+from turnstile.server.routes.completions import (
+    call_headers,
+    complete_or_cancel,
+    operation,
+    send_relay,
+)
 
 log = logging.getLogger("turnstile.agent_protocols")
 
@@ -253,3 +258,22 @@ async def _send(
     ]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+def openapi_paths() -> dict[str, dict[str, Any]]:
+    """The OpenAPI path items of the routes `AgentProtocolRoutes` serves (the forms without
+    `/v1` under a rollout are aliases, left out)."""
+    paths: dict[str, dict[str, Any]] = {}
+    for route, name in (
+        ("messages", "Messages"),
+        ("messages/count_tokens", "Count Tokens"),
+        ("responses", "Responses"),
+    ):
+        slug = route.replace("/", "_")
+        paths[f"/v1/{route}"] = operation(name, f"{slug}_v1_{slug}_post", in_rollout=False)
+        paths[f"/rollouts/{{rollout_id}}/v1/{route}"] = operation(
+            f"Rollout {name}",
+            f"rollout_{slug}_rollouts__rollout_id__v1_{slug}_post",
+            in_rollout=True,
+        )
+    return paths

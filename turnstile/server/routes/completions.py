@@ -213,7 +213,7 @@ _VALIDATION_ERROR: Final[dict[str, Any]] = {
 }
 
 
-def _operation(summary: str, operation_id: str, *, in_rollout: bool) -> dict[str, Any]:
+def operation(summary: str, operation_id: str, *, in_rollout: bool) -> dict[str, Any]:
     operation: dict[str, Any] = {"tags": ["openai"], "summary": summary}
     operation["operationId"] = operation_id
     if in_rollout:
@@ -227,18 +227,18 @@ def _operation(summary: str, operation_id: str, *, in_rollout: bool) -> dict[str
 def openapi_paths() -> dict[str, dict[str, Any]]:
     """The OpenAPI path items of the four completion routes `CompletionFastPath` serves."""
     return {
-        "/v1/chat/completions": _operation(
+        "/v1/chat/completions": operation(
             "Chat", "chat_v1_chat_completions_post", in_rollout=False
         ),
-        "/v1/completions": _operation(
+        "/v1/completions": operation(
             "Completions", "completions_v1_completions_post", in_rollout=False
         ),
-        "/rollouts/{rollout_id}/v1/chat/completions": _operation(
+        "/rollouts/{rollout_id}/v1/chat/completions": operation(
             "Rollout Chat",
             "rollout_chat_rollouts__rollout_id__v1_chat_completions_post",
             in_rollout=True,
         ),
-        "/rollouts/{rollout_id}/v1/completions": _operation(
+        "/rollouts/{rollout_id}/v1/completions": operation(
             "Rollout Completions",
             "rollout_completions_rollouts__rollout_id__v1_completions_post",
             in_rollout=True,
