@@ -16,6 +16,11 @@ from tests.unit.conftest import Harness, MakeApp
 from turnstile.records import TokenSource, TurnStatus
 
 MODEL = "fake-model"
+MESSAGES_BODY: Any = {
+    "model": MODEL,
+    "max_tokens": 8,
+    "messages": [{"role": "user", "content": "hi"}],
+}
 CALL: Any = {
     "id": "toolu_1",
     "type": "function",
@@ -269,3 +274,13 @@ def test_several_text_blocks_are_joined_as_vllm_joins_them(make_app: MakeApp) ->
     with TestClient(h.app) as http:
         assert http.post("/v1/messages", json=body).status_code == 200
     assert sent_chat(h)["messages"] == [{"role": "user", "content": "<reminder>\ndo it"}]
+
+
+def test_the_message_validates_strictly_against_the_sdk_model(make_app: MakeApp) -> None:
+    reply = Reply(text="ok", reasoning="hm", tool_calls=[CALL], finish_reason="tool_calls")
+    h = make_app(lambda body: reply)
+    body = {**MESSAGES_BODY, "tools": [TOOL]}
+    with TestClient(h.app) as http:
+        resp = http.post("/v1/messages", json=body)
+    message = anthropic.types.Message.model_validate(resp.json())
+    assert [b.type for b in message.content] == ["thinking", "text", "tool_use"]

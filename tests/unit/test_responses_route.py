@@ -273,3 +273,14 @@ def test_several_text_parts_are_joined_as_vllm_joins_them(make_app: MakeApp) -> 
     messages = sent_chat(h)["messages"]
     assert messages[0] == {"role": "user", "content": "<env>\ndo it"}
     assert messages[2] == {"role": "tool", "tool_call_id": "c", "content": "a\nb"}
+
+
+def test_the_response_object_validates_strictly_against_the_sdk_model(
+    make_app: MakeApp,
+) -> None:
+    reply = Reply(text="ok", reasoning="hm", tool_calls=[CALL], finish_reason="tool_calls")
+    h = make_app(lambda body: reply)
+    with TestClient(h.app) as http:
+        resp = http.post("/v1/responses", json={"model": MODEL, "input": "hi", "tools": [TOOL]})
+    response = openai.types.responses.Response.model_validate(resp.json())
+    assert [item.type for item in response.output] == ["reasoning", "message", "function_call"]

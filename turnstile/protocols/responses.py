@@ -319,7 +319,7 @@ def assistant_message(
 def usage_object(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
     return {
         "input_tokens": prompt_tokens,
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
         "output_tokens": completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": prompt_tokens + completion_tokens,
@@ -346,6 +346,9 @@ def response_object(
         "usage": usage,
         "error": error,
         "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+        "parallel_tool_calls": True,
+        "tool_choice": "auto",
+        "tools": [],
         **call.echo,
     }
 
