@@ -284,3 +284,30 @@ def test_the_response_object_validates_strictly_against_the_sdk_model(
         resp = http.post("/v1/responses", json={"model": MODEL, "input": "hi", "tools": [TOOL]})
     response = openai.types.responses.Response.model_validate(resp.json())
     assert [item.type for item in response.output] == ["reasoning", "message", "function_call"]
+
+
+def test_namespace_tools_are_flattened_as_vllm_flattens_them(make_app: MakeApp) -> None:
+    spawn: dict[str, Any] = {"id": "call_s", "type": "function"}
+    spawn["function"] = {"name": "agents__spawn", "arguments": '{"task": "x"}'}
+    h = make_app(lambda body: Reply(text="", tool_calls=[spawn], finish_reason="tool_calls"))
+    namespace = {
+        "type": "namespace",
+        "name": "agents",
+        "description": "sub-agents",
+        "tools": [{"type": "function", "name": "spawn", "parameters": {"type": "object"}}],
+    }
+    tools = [namespace, {"type": "web_search"}, TOOL]
+    with TestClient(h.app) as http:
+        first = http.post("/v1/responses", json={"model": MODEL, "input": "go", "tools": tools})
+        assert [t["function"]["name"] for t in sent_chat(h)["tools"]] == ["agents__spawn", "add"]
+        (item,) = first.json()["output"]
+        assert (item["name"], item["namespace"]) == ("spawn", "agents")
+        assert openai.types.responses.Response.model_validate(first.json())
+        items = [{"role": "user", "content": "go"}, item]
+        items.append({"type": "function_call_output", "call_id": "call_s", "output": "done"})
+        with client_of(http).responses.stream(model=MODEL, input=items, tools=tools) as stream:
+            final = stream.get_final_response()
+    calls = sent_chat(h)["messages"][1]["tool_calls"]
+    assert calls[0]["function"]["name"] == "agents__spawn"
+    (streamed,) = final.output
+    assert streamed.model_dump()["namespace"] == "agents"

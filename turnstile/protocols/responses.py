@@ -6,14 +6,16 @@ records): `instructions` become the leading system message, the conversation nam
 items: messages (`developer` as `system`, which chat templates know), `reasoning` items
 as an assistant message's `reasoning`, `function_call` items as its `tool_calls` and
 `function_call_output` items as `tool` messages, merged as vLLM 0.32's `/v1/responses`
-merges them. Function tools become chat tools; hosted tools (web search, file search,
-...) and custom (free-form) tools are left out, as vLLM leaves them out for a chat model.
-Images, files and audio are refused with 422 until the multimodal work lands.
+merges them. Function tools become chat tools, and a namespace tool's functions too,
+named `namespace__name` as vLLM flattens them (Codex's sub-agent tools); hosted tools (web
+search, file search, ...) are left out, as vLLM leaves them out for a chat model, and so
+are custom (free-form) tools for now. Images, files and audio are refused with 422 until
+the multimodal work lands.
 
-`output_items` and `response_object` write the answer: a `reasoning` item, a `message`
-item with its `output_text`, and one `function_call` item per tool call; `assistant_message`
-is the chat message stored as the answer's step of the conversation. `error_body` is the
-OpenAI error shape Turnstile already uses.
+`from_chat` and `response_object` write the answer: a `reasoning` item, a `message` item
+with its `output_text`, and one `function_call` item per tool call (with its `namespace`
+where it has one); `assistant_message` is the chat message stored as the answer's step of
+the conversation. Errors keep the OpenAI shape Turnstile already uses.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from turnstile.protocols.common import first_choice, reasoning_of, text_or_none,
 log = logging.getLogger("turnstile.protocols.responses")
 
 _SAMPLING: Final[dict[str, str]] = {"temperature": "temperature", "top_p": "top_p"}
+# Between a namespace tool's name and its function's name in the flattened chat tool name.
+NAMESPACE_SEPARATOR: Final[str] = "__"
 _TEXT_PARTS: Final[frozenset[str]] = frozenset({"input_text", "output_text", "text", "refusal"})
 _ROLES: Final[dict[str, str]] = {
     "user": "user",
@@ -66,6 +70,15 @@ class ResponsesCall:
     added: list[dict[str, Any]]  # this call's input, as chat messages (no instructions)
     echo: dict[str, Any] = field(default_factory=dict)
     created_at: int = field(default_factory=lambda: int(time.time()))
+    # flattened chat tool name -> (name, namespace) of a namespace tool's function
+    namespaced: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+    def call_name(self, flat: str) -> dict[str, str]:
+        """A chat tool call's name as the function call item names it."""
+        if flat in self.namespaced:
+            name, namespace = self.namespaced[flat]
+            return {"name": name, "namespace": namespace}
+        return {"name": flat}
 
 
 def new_response_id() -> str:
@@ -95,7 +108,7 @@ def to_chat(
     if not messages:
         raise BadRequest("the request has no input", param="input")
     chat: dict[str, Any] = {"model": model, "messages": messages}
-    tools = _tools(body.get("tools"))
+    tools, namespaced = _tools(body.get("tools"))
     if tools:
         chat["tools"] = tools
     _tool_choice(body.get("tool_choice"), chat)
@@ -118,6 +131,7 @@ def to_chat(
     echo["tool_choice"] = body.get("tool_choice") or "auto"
     echo["parallel_tool_calls"] = body.get("parallel_tool_calls", True)
     call = ResponsesCall(new_response_id(), model, stream, previous, added, echo)
+    call.namespaced = namespaced
     return chat, call
 
 
@@ -152,11 +166,13 @@ def _add_item(item: dict[str, Any], at: str, out: list[dict[str, Any]]) -> None:
             return
         out.append({"role": _ROLES[role], "content": content})
     elif kind == "function_call":
+        name = checks.text(item.get("name"), f"{at}.name")
+        namespace = checks.optional_text(item.get("namespace"), f"{at}.namespace")
         call = {
             "id": checks.text(item.get("call_id"), f"{at}.call_id"),
             "type": "function",
             "function": {
-                "name": checks.text(item.get("name"), f"{at}.name"),
+                "name": name if namespace is None else flat_name(namespace, name),
                 "arguments": checks.text(item.get("arguments"), f"{at}.arguments"),
             },
         }
@@ -212,23 +228,47 @@ def _reasoning_text(item: dict[str, Any], at: str) -> str | None:
     return None
 
 
-def _tools(value: Any) -> list[dict[str, Any]]:
+def flat_name(namespace: str, name: str) -> str:
+    """A namespace tool's function as one chat tool name, as vLLM flattens it."""
+    return f"{namespace}{NAMESPACE_SEPARATOR}{name}"
+
+
+def _tools(value: Any) -> tuple[list[dict[str, Any]], dict[str, tuple[str, str]]]:
+    """The chat tools (a namespace's functions flattened to `namespace__name`), and the
+    flattened names' `(name, namespace)`."""
     tools: list[dict[str, Any]] = []
+    namespaced: dict[str, tuple[str, str]] = {}
     for i, tool in enumerate(checks.array(value or [], "tools")):
         tool = checks.obj(tool, f"tools[{i}]")
-        if tool.get("type") != "function":
+        if tool.get("type") == "namespace":
+            namespace = checks.text(tool.get("name"), f"tools[{i}].name")
+            for j, inner in enumerate(checks.array(tool.get("tools") or [], f"tools[{i}].tools")):
+                inner = checks.obj(inner, f"tools[{i}].tools[{j}]")
+                if inner.get("type") == "function":
+                    function = _function(inner, f"tools[{i}].tools[{j}]")
+                    namespaced[flat_name(namespace, function["name"])] = (
+                        function["name"],
+                        namespace,
+                    )
+                    function["name"] = flat_name(namespace, function["name"])
+                    tools.append({"type": "function", "function": function})
+        elif tool.get("type") == "function":
+            tools.append({"type": "function", "function": _function(tool, f"tools[{i}]")})
+        else:
             log.debug("tool of type %r left out (not a function tool)", tool.get("type"))
-            continue
-        function: dict[str, Any] = {"name": checks.text(tool.get("name"), f"tools[{i}].name")}
-        description = checks.optional_text(tool.get("description"), f"tools[{i}].description")
-        if description is not None:
-            function["description"] = description
-        if tool.get("parameters") is not None:
-            function["parameters"] = checks.obj(tool["parameters"], f"tools[{i}].parameters")
-        if tool.get("strict") is not None:
-            function["strict"] = checks.boolean(tool["strict"], f"tools[{i}].strict")
-        tools.append({"type": "function", "function": function})
-    return tools
+    return tools, namespaced
+
+
+def _function(tool: dict[str, Any], at: str) -> dict[str, Any]:
+    function: dict[str, Any] = {"name": checks.text(tool.get("name"), f"{at}.name")}
+    description = checks.optional_text(tool.get("description"), f"{at}.description")
+    if description is not None:
+        function["description"] = description
+    if tool.get("parameters") is not None:
+        function["parameters"] = checks.obj(tool["parameters"], f"{at}.parameters")
+    if tool.get("strict") is not None:
+        function["strict"] = checks.boolean(tool["strict"], f"{at}.strict")
+    return function
 
 
 def _tool_choice(value: Any, chat: dict[str, Any]) -> None:
@@ -288,13 +328,14 @@ def message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
 
 
 def function_call_item(
-    item_id: str, call_id: str, name: str, arguments: str, status: str
+    item_id: str, call_id: str, name: dict[str, str], arguments: str, status: str
 ) -> dict[str, Any]:
+    """A function call item; `name` is `ResponsesCall.call_name`'s (with its namespace)."""
     return {
         "id": item_id,
         "type": "function_call",
         "call_id": call_id,
-        "name": name,
+        **name,
         "arguments": arguments,
         "status": status,
     }
@@ -373,7 +414,10 @@ def from_chat(chat: dict[str, Any], call: ResponsesCall) -> tuple[dict[str, Any]
         assert isinstance(fn, dict)
         call_id = str(tool_call.get("id") or item_id("call"))
         name, arguments = str(fn.get("name") or ""), str(fn.get("arguments") or "")
-        output.append(function_call_item(item_id("fc"), call_id, name, arguments, "completed"))
+        item = function_call_item(
+            item_id("fc"), call_id, call.call_name(name), arguments, "completed"
+        )
+        output.append(item)
         calls.append(
             {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
         )

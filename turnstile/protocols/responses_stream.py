@@ -175,7 +175,8 @@ class ResponsesStream:
             call_id = str(call.get("id") or r.item_id("call"))
             function = {"name": name or "", "arguments": ""}
             self.calls[index] = {"id": call_id, "type": "function", "function": function}
-            item = r.function_call_item(r.item_id("fc"), call_id, name or "", "", "in_progress")
+            names = self.call.call_name(name or "")
+            item = r.function_call_item(r.item_id("fc"), call_id, names, "", "in_progress")
             out += self._open("function_call", item)
             self.tool_index = index
         arguments = text_or_none(fn.get("arguments"))
