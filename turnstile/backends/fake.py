@@ -297,7 +297,8 @@ class Reply:
     event_delay_s: float = 0.0
     finish_reason: str = "stop"
     no_token_ids: bool = False  # behave like a backend that returns no IDs
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # streamed after the text, one per chunk
+    reasoning: str | None = None  # streamed before the text, a character per chunk
 
 
 @dataclass
@@ -356,6 +357,10 @@ class FakeVLLM:
         if path == "/v1/models":
             models = orjson.dumps(model_list("fake-model", "/models/fake"))
             return self._keep(FakeResponse(200, JSON_HEADERS, [models]))
+        if path == "/tokenize" and isinstance(parsed, dict) and "messages" in parsed:
+            count = len(ids_of(render(parsed["messages"])))
+            answer = {"count": count, "max_model_len": 2048, "tokens": [], "token_strs": None}
+            return self._keep(FakeResponse(200, JSON_HEADERS, [orjson.dumps(answer)]))
         if path not in ("/v1/chat/completions", "/v1/completions"):
             echo = orjson.dumps({"path": path, "method": method})
             return self._keep(FakeResponse(200, JSON_HEADERS, [echo]))
@@ -458,7 +463,7 @@ class FakeVLLM:
             text = "".join(map(chr, ids[:-1]))
             token_ids = ids if want_ids else None
             if chat:
-                message = chat_message(text, reply.tool_calls)
+                message = chat_message(text, reply.tool_calls, reply.reasoning)
                 entries = self._chat_entries(body, ids)
                 choices.append(chat_choice(c, message, entries, reply.finish_reason, token_ids))
             else:
@@ -480,6 +485,8 @@ class FakeVLLM:
         events: list[dict[str, Any]] = []
         if chat:
             events.append(chat_role_chunk("chatcmpl-fake", model, n, prompt_ids))
+            for piece in reply.reasoning or "":
+                events.append(_delta_chunk(model, {"reasoning": piece}))
         for c in range(n):
             ids = self.completion_ids(reply, c)
             entries = self._chat_entries(body, ids) if chat else None
@@ -489,6 +496,8 @@ class FakeVLLM:
                 piece = "" if t == EOT else chr(t)
                 token_id = t if want_ids else None
                 if chat:
+                    if t == EOT and reply.tool_calls:
+                        events.extend(_tool_call_chunks(model, reply.tool_calls))
                     entry = None if entries is None else entries[i]
                     events.append(
                         chat_token_chunk("chatcmpl-fake", model, c, piece, entry, token_id, finish)
@@ -507,4 +516,31 @@ class FakeVLLM:
                     c, piece, one, finish, None if token_id is None else [token_id], first_ids
                 )
                 events.append(completion_chunk("cmpl-fake", model, choice))
+        options = body.get("stream_options")
+        if chat and isinstance(options, dict) and options.get("include_usage"):
+            completion_tokens = sum(len(self.completion_ids(reply, c)) for c in range(n))
+            usage_chunk = _chunk("chatcmpl-fake", model, [])
+            usage_chunk["usage"] = usage(len(prompt_text), completion_tokens)
+            events.append(usage_chunk)
         return [*(sse_event(e) for e in events), SSE_DONE]
+
+
+def _delta_chunk(model: str, delta: dict[str, Any]) -> dict[str, Any]:
+    """A chat chunk of choice 0 carrying `delta` and no token (reasoning, tool calls)."""
+    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+    return _chunk("chatcmpl-fake", model, [choice])
+
+
+def _tool_call_chunks(model: str, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """vLLM's tool-call deltas: the id and name first, then the arguments in two pieces."""
+    chunks = []
+    for index, call in enumerate(calls):
+        fn = call["function"]
+        head = {"index": index, "id": call["id"], "type": "function"}
+        head["function"] = {"name": fn["name"], "arguments": ""}
+        chunks.append(_delta_chunk(model, {"tool_calls": [head]}))
+        half = len(fn["arguments"]) // 2
+        for piece in (fn["arguments"][:half], fn["arguments"][half:]):
+            part = {"index": index, "function": {"arguments": piece}}
+            chunks.append(_delta_chunk(model, {"tool_calls": [part]}))
+    return chunks

@@ -37,6 +37,7 @@ from turnstile.output.objstore import ObjectStorePublisher, open_store
 from turnstile.output.recorder import Recorder
 from turnstile.output.shards import ParquetShardSink, Sink
 from turnstile.output.tokenizer import LocalTokenizer
+from turnstile.protocols.conversations import ConversationStore
 from turnstile.proxy.admission import Admission
 from turnstile.proxy.core import Proxy
 from turnstile.runtime import tune_gc
@@ -44,6 +45,8 @@ from turnstile.server.asgi import BodyReader, HeaderLimits
 from turnstile.server.auth import AuthMiddleware, RolloutKeys
 from turnstile.server.logs import RequestContext
 from turnstile.server.metrics import EventMetrics, HTTPMetrics, TurnstileMetrics, add_metrics_route
+from turnstile.server.routes.agent_protocols import AgentProtocolRoutes
+from turnstile.server.routes.agent_protocols import openapi_paths as agent_openapi_paths
 from turnstile.server.routes.api import add_routes, install_error_handlers
 from turnstile.server.routes.completions import CompletionFastPath, openapi_paths
 from turnstile.server.workers import WorkerRouter, WorkerSpec, id_factory, peer_clients
@@ -54,6 +57,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("turnstile")
 
+# Where the Responses conversations (`previous_response_id`) are kept, in the output.
+RESPONSES_DIR = "responses"
 # The start-up look at the backend's model list must not hold up start-up for long.
 MODEL_LIST_TIMEOUT_S = 5.0
 
@@ -101,14 +106,15 @@ def _tito_backend(
 
 
 class TurnstileAPI(FastAPI):
-    """The app, whose OpenAPI schema also lists the completion routes served in front of
-    FastAPI (`turnstile.server.routes.completions`)."""
+    """The app, whose OpenAPI schema also lists the routes served in front of FastAPI
+    (`turnstile.server.routes.completions` and `.agent_protocols`)."""
 
     def openapi(self) -> dict[str, Any]:
         schema = self.openapi_schema
         if schema is None:
             schema = super().openapi()  # cached by FastAPI: completed once, here
-            schema["paths"] = {**openapi_paths(), **schema.get("paths", {})}
+            served = {**openapi_paths(), **agent_openapi_paths()}
+            schema["paths"] = {**served, **schema.get("paths", {})}
         return schema
 
 
@@ -129,8 +135,11 @@ def create_app(
     )
     writer_id = settings.writer_id if worker is None else f"{settings.writer_id}-{worker.suffix}"
     journal_dir = settings.output / JOURNAL_DIR
+    conversations_dir = settings.output / RESPONSES_DIR
     if worker is not None:
         journal_dir = journal_dir / worker.suffix
+        conversations_dir = conversations_dir / worker.suffix
+    conversations = ConversationStore(conversations_dir, fsync=settings.fsync == "always")
     if backend is None:  # one vLLM client, or the SGLang adapter, or a pool of them
         backend = build_backend(settings, timeouts, tokenizer)
     publisher = _publisher(settings, writer_id)
@@ -200,6 +209,7 @@ def create_app(
         rebuilt = await asyncio.to_thread(rebuild, wal, settings.output)
         proxy.restore(rebuilt, restore_open=settings.recover_open_rollouts == "restore")
         journal.attach(wal)
+        await asyncio.to_thread(conversations.open)
         recorder.start()
         sweeper = asyncio.ensure_future(_sweep(proxy))
         retainer = asyncio.ensure_future(
@@ -227,6 +237,7 @@ def create_app(
             if publisher is not None:  # the last shards go to the store (or stay staged)
                 await asyncio.to_thread(publisher.stop)
             await asyncio.to_thread(wal.close)
+            conversations.close()
             if finished and recorder.error is None and recorder.oldest_pin is None:
                 # Every journaled row is in a published shard or in the quarantine: the
                 # next start has nothing to rebuild. Work that failed in this run keeps
@@ -260,6 +271,7 @@ def create_app(
     rollout_keys = RolloutKeys(client_keys) if client_keys else None
     # Added first, so it runs inside authentication (the last added runs outermost).
     bodies = BodyReader(settings.max_request_body_bytes)
+    app.add_middleware(AgentProtocolRoutes, proxy=proxy, bodies=bodies, conversations=conversations)
     app.add_middleware(CompletionFastPath, proxy=proxy, bodies=bodies)
     app.add_middleware(
         AuthMiddleware,

@@ -1,7 +1,8 @@
 """Client and admin authentication: a pure ASGI middleware in front of every route.
 
 Every route but `/health` needs a client key when client keys are configured
-(`Authorization: Bearer <key>`). When an admin key is configured, `/admin/*` and the
+(`Authorization: Bearer <key>`, or Anthropic's `x-api-key: <key>` for clients of the
+Messages API). When an admin key is configured, `/admin/*` and the
 reward route take only the admin key. Keys are compared in constant time against every
 configured key; a 401 body says only that the key is missing or wrong. The client's
 Authorization header is never forwarded to the backend (the proxy sends only the
@@ -10,7 +11,8 @@ backend's own key).
 Rollout keys: `POST /rollouts` answers with an `api_key` that works for that rollout
 only (`tsr_<rollout id>.<HMAC-SHA256>`), for harnesses and sandboxes that should not
 hold the client key. It opens the rollout's own routes (`/rollouts/{id}`, its
-`/rollouts/{id}/v1/...` and `/finish`, and `/v1/...` with `X-Turnstile-Rollout: {id}`)
+`/rollouts/{id}/v1/...` completion, Messages and Responses routes, the last two also
+without `/v1`, and `/finish`, and `/v1/...` with `X-Turnstile-Rollout: {id}`)
 and nothing else: another rollout, rewards and admin routes get 403, so a policy
 cannot write into another rollout or grade itself. `/finish` with rewards in its body
 needs the key that may post rewards (the admin key when one is set, else the client
@@ -41,9 +43,18 @@ ROLLOUT_KEY_PREFIX = b"tsr_"
 # What a rollout key opens: its rollout's completion routes, its state and its finish
 # (matched whole: `$` would also match before a trailing newline).
 _ROLLOUT_PATH = re.compile(
-    r"/rollouts/(?P<id>[^/]+)(?:/v1/(?:chat/completions|completions)|/finish)?"
+    r"/rollouts/(?P<id>[^/]+)(?:/v1/(?:chat/completions|completions)|/finish"
+    r"|(?:/v1)?/(?:messages|messages/count_tokens|responses))?"
 )
-_ROLLOUT_HEADER_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+_ROLLOUT_HEADER_PATHS = frozenset(
+    {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
+        "/v1/responses",
+    }
+)
 _ROLLOUT_HEADER = b"x-turnstile-rollout"
 _FINISH_PATH = re.compile(r"^/rollouts/[^/]+/finish$")
 
@@ -95,13 +106,17 @@ def _matches(presented: bytes, keys: tuple[bytes, ...]) -> bool:
 
 
 def _bearer(scope: Scope) -> bytes | None:
+    """The key presented: `Authorization: Bearer <key>`, else Anthropic's `x-api-key`."""
+    api_key: bytes | None = None
     for name, value in scope.get("headers", ()):
         if name == b"authorization":
             scheme, _, token = value.partition(b" ")
             if scheme.lower() == b"bearer" and token:
                 return bytes(token.strip())
             return None
-    return None
+        if name == b"x-api-key" and api_key is None and value.strip():
+            api_key = bytes(value.strip())
+    return api_key
 
 
 # The request-state key the middleware sets: whether this caller may post rewards.

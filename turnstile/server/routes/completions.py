@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import re
+from dataclasses import dataclass
 from typing import Any, Final
 
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -80,56 +81,94 @@ class CompletionFastPath:
             log.exception("unexpected error on POST %s", scope["path"])
             await send_error(send, TurnstileError("internal error in Turnstile"))
             return
-        if isinstance(result, StreamRelay):
-            await StreamingRelayResponse(result)(scope, receive, send)
-            return
-        headers = [
-            (b"content-type", result.content_type.encode("latin-1")),
-            (b"content-length", str(len(result.body)).encode()),
-        ]
-        headers += [
-            (k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in result.headers.items()
-        ]
-        await send({"type": "http.response.start", "status": result.status, "headers": headers})
-        await send({"type": "http.response.body", "body": result.body})
+        await send_relay(scope, receive, send, result)
 
     async def _complete(
         self, scope: Scope, receive: Receive, endpoint: str, rollout_id: str | None
     ) -> Relay | StreamRelay | None:
-        found: dict[bytes, bytes] = {}
-        for name, value in scope["headers"]:
-            if name in (_ROLLOUT, _POLICY, _IDEMPOTENCY, _RETRY, _LENGTH):
-                found.setdefault(name, value)
-        rid = rollout_id
-        if rid is None and _ROLLOUT in found:
-            rid = found[_ROLLOUT].decode("latin-1")
-        if rid is not None:
-            check_rollout_id(rid)
-        raw = await self.bodies.read(receive, found.get(_LENGTH))
-        call = asyncio.ensure_future(
-            self.proxy.complete(
-                endpoint,
-                raw,
-                rollout_id=rid,
-                policy_version=_policy_version(found.get(_POLICY)),
-                idempotency_key=_text(found.get(_IDEMPOTENCY)),
-                retry_count=_text(found.get(_RETRY)),
-            )
+        headers = call_headers(scope, rollout_id)
+        raw = await self.bodies.read(receive, headers.content_length)
+        return await complete_or_cancel(self.proxy, scope, receive, endpoint, raw, headers)
+
+
+async def send_relay(
+    scope: Scope, receive: Receive, send: Send, result: Relay | StreamRelay
+) -> None:
+    """Send the proxy's answer: a whole body, or a stream relayed as it comes."""
+    if isinstance(result, StreamRelay):
+        await StreamingRelayResponse(result)(scope, receive, send)
+        return
+    headers = [
+        (b"content-type", result.content_type.encode("latin-1")),
+        (b"content-length", str(len(result.body)).encode()),
+    ]
+    headers += [
+        (k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in result.headers.items()
+    ]
+    await send({"type": "http.response.start", "status": result.status, "headers": headers})
+    await send({"type": "http.response.body", "body": result.body})
+
+
+@dataclass(frozen=True, slots=True)
+class CallHeaders:
+    """What a completion call's headers (and path) say about it, checked."""
+
+    rollout_id: str | None
+    policy_version: int | None
+    idempotency_key: str | None
+    retry_count: str | None
+    content_length: bytes | None
+
+
+def call_headers(scope: Scope, rollout_id: str | None) -> CallHeaders:
+    """The call's rollout (the path's, else the header's), policy version, retry headers and
+    declared body size; 400 for a bad rollout id or policy version."""
+    found: dict[bytes, bytes] = {}
+    for name, value in scope["headers"]:
+        if name in (_ROLLOUT, _POLICY, _IDEMPOTENCY, _RETRY, _LENGTH):
+            found.setdefault(name, value)
+    rid = rollout_id
+    if rid is None and _ROLLOUT in found:
+        rid = found[_ROLLOUT].decode("latin-1")
+    if rid is not None:
+        check_rollout_id(rid)
+    return CallHeaders(
+        rid,
+        _policy_version(found.get(_POLICY)),
+        _text(found.get(_IDEMPOTENCY)),
+        _text(found.get(_RETRY)),
+        found.get(_LENGTH),
+    )
+
+
+async def complete_or_cancel(
+    proxy: Proxy, scope: Scope, receive: Receive, endpoint: str, raw: bytes, headers: CallHeaders
+) -> Relay | StreamRelay | None:
+    """`Proxy.complete` for the call; None when the client disconnected first."""
+    call = asyncio.ensure_future(
+        proxy.complete(
+            endpoint,
+            raw,
+            rollout_id=headers.rollout_id,
+            policy_version=headers.policy_version,
+            idempotency_key=headers.idempotency_key,
+            retry_count=headers.retry_count,
         )
-        # Until the answer (or a stream's first bytes) is ready, a client that disconnects
-        # cancels the call: the backend request is closed and the turn recorded as aborted.
-        watcher = asyncio.ensure_future(wait_disconnect(receive))
-        try:
-            await asyncio.wait((call, watcher), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watcher.cancel()
-        if not call.done():
-            call.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await call
-            log.info("client disconnected from POST %s before the answer", scope["path"])
-            return None
-        return call.result()
+    )
+    # Until the answer (or a stream's first bytes) is ready, a client that disconnects
+    # cancels the call: the backend request is closed and the turn recorded as aborted.
+    watcher = asyncio.ensure_future(wait_disconnect(receive))
+    try:
+        await asyncio.wait((call, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not call.done():
+        call.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await call
+        log.info("client disconnected from POST %s before the answer", scope["path"])
+        return None
+    return call.result()
 
 
 def _text(value: bytes | None) -> str | None:
@@ -174,7 +213,7 @@ _VALIDATION_ERROR: Final[dict[str, Any]] = {
 }
 
 
-def _operation(summary: str, operation_id: str, *, in_rollout: bool) -> dict[str, Any]:
+def operation(summary: str, operation_id: str, *, in_rollout: bool) -> dict[str, Any]:
     operation: dict[str, Any] = {"tags": ["openai"], "summary": summary}
     operation["operationId"] = operation_id
     if in_rollout:
@@ -188,18 +227,18 @@ def _operation(summary: str, operation_id: str, *, in_rollout: bool) -> dict[str
 def openapi_paths() -> dict[str, dict[str, Any]]:
     """The OpenAPI path items of the four completion routes `CompletionFastPath` serves."""
     return {
-        "/v1/chat/completions": _operation(
+        "/v1/chat/completions": operation(
             "Chat", "chat_v1_chat_completions_post", in_rollout=False
         ),
-        "/v1/completions": _operation(
+        "/v1/completions": operation(
             "Completions", "completions_v1_completions_post", in_rollout=False
         ),
-        "/rollouts/{rollout_id}/v1/chat/completions": _operation(
+        "/rollouts/{rollout_id}/v1/chat/completions": operation(
             "Rollout Chat",
             "rollout_chat_rollouts__rollout_id__v1_chat_completions_post",
             in_rollout=True,
         ),
-        "/rollouts/{rollout_id}/v1/completions": _operation(
+        "/rollouts/{rollout_id}/v1/completions": operation(
             "Rollout Completions",
             "rollout_completions_rollouts__rollout_id__v1_completions_post",
             in_rollout=True,
