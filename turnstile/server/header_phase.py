@@ -34,8 +34,10 @@ class BoundedHeaderProtocol(HttpToolsProtocol):
     max_head_bytes: int = MAX_REQUEST_HEAD_BYTES
 
     _deadline: asyncio.TimerHandle | None = None
-    _awaiting_head = False
-    _head_bytes = 0
+    _awaiting_head = False  # the deadline runs: no request's headers are complete
+    _received = False  # bytes arrived since the deadline started
+    _in_head = False  # the parser is inside a request's line and headers
+    _head_bytes = 0  # bytes received while it was
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -46,17 +48,25 @@ class BoundedHeaderProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self._awaiting_head:
+        self._received = True
+        # Counted from the chunk after the one a request began in: every byte of it up to
+        # the end of the headers belongs to them (the bound is exceeded by less than one
+        # read, and the tail of an earlier request's body is never counted).
+        if self._in_head:
             self._head_bytes += len(data)
         super().data_received(data)
-        # Checked after parsing: a chunk that completes the head (and carries body bytes)
-        # has ended the head phase by now and is never refused for its body's size.
-        if self._awaiting_head and self._head_bytes > self.max_head_bytes:
+        if self._in_head and self._head_bytes > self.max_head_bytes:
             self._refuse(
                 HeadersTooLarge(f"the request line and headers exceed {self.max_head_bytes} bytes")
             )
 
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._in_head = True
+        self._head_bytes = 0
+
     def on_headers_complete(self) -> None:
+        self._in_head = False
         self._awaiting_head = False
         self._stop_deadline()
         super().on_headers_complete()
@@ -71,7 +81,7 @@ class BoundedHeaderProtocol(HttpToolsProtocol):
     def _await_head(self) -> None:
         self._stop_deadline()
         self._awaiting_head = True
-        self._head_bytes = 0
+        self._received = False
         self._deadline = self.loop.call_later(self.header_timeout_s, self._head_timed_out)
 
     def _stop_deadline(self) -> None:
@@ -83,7 +93,7 @@ class BoundedHeaderProtocol(HttpToolsProtocol):
         self._deadline = None
         if not self._awaiting_head or self.transport.is_closing():
             return
-        if self._head_bytes == 0:
+        if not self._received:
             # Nothing of a request arrived: an idle connection, closed as keep-alive would.
             self._awaiting_head = False
             self.transport.close()
@@ -94,7 +104,7 @@ class BoundedHeaderProtocol(HttpToolsProtocol):
 
     def _refuse(self, exc: TurnstileError) -> None:
         """Answer `exc` (OpenAI-style JSON, `Connection: close`) and close the connection."""
-        self._awaiting_head = False
+        self._awaiting_head = self._in_head = False
         self._stop_deadline()
         if self.transport.is_closing():
             return
