@@ -44,7 +44,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 TIMEOUTS = {
     "connect_timeout_s": 1.0,
     "first_byte_timeout_s": 1.0,
-    "idle_timeout_s": 0.6,
+    "idle_timeout_s": 1.0,
     "total_timeout_s": 2.0,
 }
 STALL_S = 3.0  # how long the scripted backend stalls: longer than any timeout above
@@ -56,7 +56,7 @@ def _script(body: dict[str, Any]) -> Reply:
     if model == "slow-stream":  # an event every 0.2 s for 12 s: the client leaves first
         return Reply(text="w " * 30, event_delay_s=0.2)
     if model == "total":  # never idle for long, but never done before the total timeout
-        return Reply(text="w " * 30, event_delay_s=0.15)
+        return Reply(text="w " * 40, event_delay_s=0.1)
     return Reply(text="fine answer")
 
 
