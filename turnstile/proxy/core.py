@@ -331,6 +331,9 @@ class Proxy:
         except TurnstileError as exc:
             self._finish(call, capture, TurnStatus.ERROR, exc.message, exc.status)
             raise
+        except Exception as exc:  # a bug below the Backend seam: recorded as what it is
+            self._finish(call, capture, TurnStatus.ERROR, _internal(exc), 500)
+            raise
         except BaseException:  # cancelled: the client went away, or the server is stopping
             self._finish(call, capture, TurnStatus.ABORTED, "request cancelled", 499)
             raise
@@ -350,6 +353,9 @@ class Proxy:
             raw = await resp.read()
         except TurnstileError as exc:
             self._finish(call, capture, TurnStatus.ERROR, exc.message, exc.status)
+            raise
+        except Exception as exc:
+            self._finish(call, capture, TurnStatus.ERROR, _internal(exc), 500)
             raise
         except BaseException:
             self._finish(call, capture, TurnStatus.ABORTED, "request cancelled", 499)
@@ -655,6 +661,11 @@ def _resend(answer: Answer) -> Relay | StreamRelay:
 async def _chunks_of(chunks: list[bytes]) -> AsyncIterator[bytes]:
     for chunk in chunks:
         yield chunk
+
+
+def _internal(exc: Exception) -> str:
+    """The recorded error of a call ended by an unexpected exception (a bug, not a cancel)."""
+    return f"internal error: {type(exc).__name__}: {str(exc)[:200]}"
 
 
 def _error_message(obj: dict[str, Any]) -> str:

@@ -172,6 +172,7 @@ def add_routes(
         rollout = proxy.registry.create(
             body.rollout_id, group_id=body.group_id, task_id=body.task_id, metadata=body.metadata
         )
+        await proxy.journal.durable()  # acknowledged means journaled
         base = str(request.base_url).rstrip("/")
         out = rollout.summary()
         out["base_url"] = f"{base}/rollouts/{rollout.rollout_id}/v1"
@@ -190,6 +191,7 @@ def add_routes(
         rollout = proxy.registry.add_rewards(
             check_rollout_id(rollout_id), body.rewards, _info_text(body.info)
         )
+        await proxy.journal.durable()  # acknowledged means journaled
         return rollout.summary()
 
     @router.post("/rollouts/{rollout_id}/finish", tags=["rollouts"])
@@ -205,7 +207,9 @@ def add_routes(
                     param="rewards",
                 )
             proxy.registry.add_rewards(rid, body.rewards, _info_text(body.info))
-        return proxy.registry.finish(rid).summary()
+        rollout = proxy.registry.finish(rid)
+        await proxy.journal.durable()  # acknowledged means journaled
+        return rollout.summary()
 
     @router.get("/admin/policy_version", tags=["admin"])
     async def get_policy_version() -> dict[str, int]:
