@@ -40,11 +40,11 @@ def make_app(tmp_path: Path) -> MakeApp:
 
 
 @pytest.fixture
-def live() -> Iterator[Callable[[FastAPI], LiveServer]]:
+def live() -> Iterator[Callable[..., LiveServer]]:
     servers: list[LiveServer] = []
 
-    def _start(app: FastAPI) -> LiveServer:
-        server = LiveServer(app).__enter__()
+    def _start(app: FastAPI, **options: Any) -> LiveServer:
+        server = LiveServer(app, **options).__enter__()
         servers.append(server)
         return server
 

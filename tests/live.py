@@ -16,7 +16,9 @@ from typing import Any
 
 import uvicorn
 
+from turnstile.limits import HEADER_READ_TIMEOUT_S
 from turnstile.server.app import create_app
+from turnstile.server.header_phase import bounded_http_protocol
 from turnstile.settings import load_settings
 
 # uvicorn binds and runs the app's start-up (the journal, the writer) within this.
@@ -33,14 +35,25 @@ def free_port() -> int:
 
 
 class LiveServer:
-    """Runs an app under uvicorn on a loopback port in a background thread."""
+    """Runs an app under uvicorn on a loopback port in a background thread, with the HTTP
+    protocol `turnstile serve` uses (each request's head bounded in time and bytes)."""
 
-    def __init__(self, app: Any, port: int | None = None) -> None:
+    def __init__(
+        self,
+        app: Any,
+        port: int | None = None,
+        header_read_timeout_s: float = HEADER_READ_TIMEOUT_S,
+    ) -> None:
         self.app = app
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(
-            app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on"
+            app,
+            host="127.0.0.1",
+            port=self.port,
+            log_level="warning",
+            lifespan="on",
+            http=bounded_http_protocol(header_read_timeout_s),
         )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve()))
@@ -84,7 +97,7 @@ class TurnstileServer(LiveServer):
             },
             environ={},
         )
-        super().__init__(create_app(settings), port)
+        super().__init__(create_app(settings), port, settings.header_read_timeout_s)
         self.output = output
 
     def __enter__(self) -> TurnstileServer:

@@ -73,7 +73,7 @@ class MethodNotAllowed(BadRequest):
 
 
 class RequestTimeout(BadRequest):
-    """The client did not send its whole body in time."""
+    """The client did not send its request headers, or its whole body, in time."""
 
     status = 408
 

@@ -41,6 +41,15 @@ REQUEST_BODY_READ_TIMEOUT_S = 60.0
 # by default); more is refused with 431 before anything else runs.
 MAX_REQUEST_HEADERS = 100
 MAX_REQUEST_HEADER_BYTES = 64 * 1024
+# A request's line and headers, from the moment its connection opens or its previous
+# response ends: clients send them in one write, in milliseconds. A client still sending
+# them after 20 s (Apache's mod_reqtimeout starts at 20 s too) is holding the connection
+# open (slowloris): it gets 408 and is closed; a connection that sends nothing is closed.
+HEADER_READ_TIMEOUT_S = 20.0
+# The request line and headers as received, bounded while they are read (431): twice the
+# header bytes checked above, room for a long URL and the framing, so that a client cannot
+# grow uvicorn's buffers without end before the app sees the request.
+MAX_REQUEST_HEAD_BYTES = 2 * MAX_REQUEST_HEADER_BYTES
 # Rollout ids appear in URLs and file rows; keep them short and URL-safe.
 MAX_ROLLOUT_ID_LENGTH = 128
 # Token ids are int32 columns and never negative; a backend id outside is refused.

@@ -113,6 +113,8 @@ class Settings(BaseModel):
     idle_timeout_s: float = Field(default=limits.IDLE_TIMEOUT_S, gt=0)
     total_timeout_s: float = Field(default=limits.TOTAL_TIMEOUT_S, gt=0)
     max_request_body_bytes: int = Field(default=limits.MAX_REQUEST_BODY_BYTES, gt=0)
+    # A request's line and headers must arrive within this (408 and closed; see limits).
+    header_read_timeout_s: float = Field(default=limits.HEADER_READ_TIMEOUT_S, gt=0)
     backend_pool_size: int = Field(default=limits.BACKEND_POOL_SIZE, gt=0)
 
     # When a turn counts as safe before it is acknowledged: "always" fsyncs it first

@@ -2,8 +2,10 @@
 
 `turnstile serve` runs as a subprocess in front of a scripted vLLM-shaped HTTP backend.
 Concurrent multi-turn rollouts (streaming and not) run against it while it is killed
-with SIGKILL and restarted, again and again. A turn counts as acknowledged when its
-client got the whole JSON body or the stream's `[DONE]`.
+with SIGKILL and restarted, again and again, and a hostile client interleaves calls with
+bad headers, bad bodies, bad ids and backend garbage: each is refused (4xx/502), and none
+costs a well-behaved client anything. A turn counts as acknowledged when its client got
+the whole JSON body or the stream's `[DONE]`.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pyarrow.parquet as pq
 import pytest
 from aiohttp import web
 
@@ -35,8 +39,24 @@ WORKERS = 6
 TURNS_PER_ROLLOUT = 3
 # Each life of the proxy runs this long (randomised) before it is killed.
 LIFE_S = (0.4, 1.2)
-START_TIMEOUT_S = 30.0
+# Under load (two cores shared with other suites) a start that rebuilds from the journal
+# and reads every published shard has taken over 30 s.
+START_TIMEOUT_S = 90.0
 REQUEST_TIMEOUT_S = 10.0
+POLICY = "X-Turnstile-Policy-Version"
+
+
+# Models the scripted backend misbehaves for (any other model is answered normally).
+GARBAGE = "hostile-garbage"  # an HTML page instead of JSON
+BAD_TOKENS = "hostile-bad-tokens"  # token ids past int32, whole and streamed
+
+
+def _model_of(body: bytes) -> str | None:
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return None
+    return parsed.get("model") if isinstance(parsed, dict) else None
 
 
 def _port() -> int:
@@ -55,11 +75,16 @@ def backend_url() -> Iterator[str]:
 
     async def handle(request: web.Request) -> web.StreamResponse:
         body = await request.read()
+        model = _model_of(body)
+        if model == GARBAGE:
+            return web.Response(body=b"<html>oops</html>", content_type="text/html")
         resp = await fake.request(request.method, request.path, body or None, {})
         out = web.StreamResponse(status=resp.status, headers=dict(resp.headers))
         await out.prepare(request)
         try:
             async for chunk in resp.iter_chunks():
+                if model == BAD_TOKENS:  # ids past int32: no column can hold them
+                    chunk = chunk.replace(b'token_ids":[', b'token_ids":[1099511627776,')
                 await out.write(chunk)
             await out.write_eof()
         except ConnectionError:  # the proxy was killed mid-stream
@@ -182,6 +207,133 @@ def _turn(url: str, rollout: str, messages: list[dict[str, Any]], stream: bool) 
     return index, "".join(parts)
 
 
+_DEEP = b"[" * 300 + b'"x"' + b"]" * 300  # deeper than a JSON column can hold
+_CHAT = '{"model": "m", "messages": [{"role": "user", "content": %s}]}'
+
+
+@dataclass(frozen=True)
+class Hostile:
+    """One hostile call: how it is made and the statuses it may be answered with."""
+
+    name: str
+    method: str
+    path: str  # `{n}` is the call's number
+    body: bytes | None
+    headers: dict[str, str]
+    allowed: frozenset[int]
+
+
+def _hostile_calls() -> list[Hostile]:
+    chat = "/rollouts/h{n}/v1/chat/completions"
+    json_type = {"Content-Type": "application/json"}
+    plain = _CHAT.encode() % b'"hi"'
+
+    def call(name: str, body: bytes | None, allowed: set[int], **kw: Any) -> Hostile:
+        path = kw.pop("path", chat)
+        headers = {**json_type, **kw.pop("headers", {})}
+        return Hostile(name, kw.pop("method", "POST"), path, body, headers, frozenset(allowed))
+
+    def stream(model: str) -> bytes:
+        return json.dumps(
+            {"model": model, "messages": [{"role": "user", "content": "x"}], "stream": True}
+        ).encode()
+
+    return [
+        call("policy 2**63", plain, {400}, headers={POLICY: str(2**63)}),
+        call("policy -2**63-1", plain, {400}, headers={POLICY: str(-(2**63) - 1)}),
+        call("policy 1.0", plain, {400}, headers={POLICY: "1.0"}),
+        call("deep content", _CHAT.encode() % _DEEP, {422}),
+        call("deep tools", plain[:-1] + b', "tools": ' + _DEEP + b"}", {422}),
+        call("id with newline", plain, {400}, path="/rollouts/h%0A/v1/chat/completions"),
+        call("id too long", plain, {400}, path="/rollouts/" + "h" * 200 + "/v1/chat/completions"),
+        call("lone surrogate", _CHAT.encode() % b'"\\ud800"', {400}),
+        call(
+            "lone surrogate metadata",
+            b'{"rollout_id": "hm{n}", "metadata": {"k": "\\udfff"}}',
+            {422},
+            path="/rollouts",
+        ),
+        call(
+            "nan reward", b'{"rewards": {"x": NaN}}', {400, 404, 422}, path="/rollouts/h{n}/rewards"
+        ),
+        call("wrong types", b'{"model": "m", "messages": "hi", "n": "2"}', {422}),
+        call("truncated json", plain[:-7], {400}),
+        call("150 headers", plain, {431}, headers={f"x-h{i}": "1" for i in range(150)}),
+        call("70 KiB header", plain, {431}, headers={"x-big": "a" * 70 * 1024}),
+        call(
+            "backend garbage",
+            _CHAT.encode().replace(b'"m"', f'"{GARBAGE}"'.encode()) % b'"x"',
+            {502},
+        ),
+        call(
+            "backend int32",
+            _CHAT.encode().replace(b'"m"', f'"{BAD_TOKENS}"'.encode()) % b'"x"',
+            {502},
+        ),
+        call("backend int32 streamed", stream(BAD_TOKENS), {200}),
+    ]
+
+
+class HostileClient:
+    """Makes hostile calls in a loop; counts them and the answers that were not allowed."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.calls = 0  # sent to a listening proxy
+        self.answered = 0  # answered (the others were cut by a kill)
+        self.wrong: list[str] = []  # answered with a status not allowed, or a 500
+
+    def run(self, stop: threading.Event) -> None:
+        calls = _hostile_calls()
+        n = 0
+        with httpx.Client(base_url=self.url, timeout=REQUEST_TIMEOUT_S) as client:
+            while not stop.is_set():
+                hostile = calls[n % len(calls)]
+                try:
+                    resp = client.request(
+                        hostile.method,
+                        hostile.path.replace("{n}", str(n)),
+                        content=None
+                        if hostile.body is None
+                        else hostile.body.replace(b"{n}", str(n).encode()),
+                        headers=hostile.headers,
+                    )
+                except httpx.ConnectError:
+                    time.sleep(0.1)  # the proxy is restarting: nothing was sent
+                    continue
+                except httpx.HTTPError:
+                    self.calls += 1  # sent, then cut by a kill
+                    n += 1
+                    continue
+                self.calls += 1
+                self.answered += 1
+                # 503: starting or draining; a streamed refusal ends in an error event.
+                ok = resp.status_code in hostile.allowed or resp.status_code == 503
+                if resp.status_code == 200 and '"error"' not in resp.text:
+                    ok = False
+                if not ok:
+                    self.wrong.append(f"{hostile.name}: {resp.status_code} {resp.text[:200]}")
+                if hostile.path.startswith("/rollouts/h{n}/v1"):
+                    with contextlib.suppress(httpx.HTTPError):
+                        client.post(f"/rollouts/h{n}/finish")
+                n += 1
+                time.sleep(0.05)
+
+
+def _quarantined(output: Path) -> int:
+    """Rows under OUTPUT/quarantine/ (0 when there is no such directory)."""
+    root = output / "quarantine"
+    if not root.is_dir():
+        return 0
+    rows = 0
+    for path in root.rglob("*"):
+        if path.suffix == ".parquet":
+            rows += pq.read_metadata(path).num_rows
+        elif path.is_file():
+            rows += sum(1 for line in path.read_bytes().splitlines() if line.strip())
+    return rows
+
+
 def test_kill_9_loses_no_acknowledged_turn(backend_url: str, tmp_path: Path) -> None:
     out = tmp_path / "out"
     proxy = Proxy(backend_url, out)
@@ -216,7 +368,9 @@ def test_kill_9_loses_no_acknowledged_turn(backend_url: str, tmp_path: Path) -> 
                 rollouts_done[0] += 1
             n += 1
 
+    hostile = HostileClient(proxy.url)
     threads = [threading.Thread(target=worker, args=(w,)) for w in range(WORKERS)]
+    threads.append(threading.Thread(target=hostile.run, args=(stop,)))
     for t in threads:
         t.start()
     rng = random.Random(1234)
@@ -251,15 +405,25 @@ def test_kill_9_loses_no_acknowledged_turn(backend_url: str, tmp_path: Path) -> 
             recorded[k] = recorded.get(k, 0) + 1
     missing = acked - recorded.keys()
     doubled = [k for k in acked if recorded.get(k, 0) > 1]
+    samples = reader.samples(columns=["rollout_id", "sample_index"]).to_pylist()
+    sample_keys = [(r["rollout_id"], r["sample_index"]) for r in samples]
+    rollout_ids = reader.rollouts(columns=["rollout_id"])["rollout_id"].to_pylist()
     print(
-        f"crash test: {KILLS} kills, {rollouts_done[0]} rollouts, {len(acked)} turns "
-        f"acknowledged, {sum(1 for k in acked if k in recorded)} recovered, "
-        f"{len(doubled)} duplicated, {len(missing)} missing, "
+        f"crash test: {KILLS} kills, {hostile.calls} hostile calls ({hostile.answered} "
+        f"answered, {len(hostile.wrong)} wrongly, the rest cut by kills), "
+        f"{rollouts_done[0]} rollouts, {len(acked)} turns acknowledged, "
+        f"{sum(1 for k in acked if k in recorded)} recovered, "
+        f"{_quarantined(out)} quarantined, {len(missing)} lost, "
+        f"{len(doubled)} duplicated, "
         f"{len(recorded) - len(acked & recorded.keys())} unacknowledged turns also kept, "
+        f"{len(sample_keys) - len(set(sample_keys))} duplicated samples, "
+        f"{len(rollout_ids) - len(set(rollout_ids))} duplicated rollout rows, "
         f"{removed} journal segments removed while running"
     )
     assert not missing, f"acknowledged turns lost: {sorted(missing)[:10]}"
     assert not doubled, f"acknowledged turns recorded twice: {doubled[:10]}"
+    assert not hostile.wrong, hostile.wrong[:10]
+    assert hostile.answered > KILLS, "too few hostile calls were answered to count"
     assert len(acked) > KILLS * 5
     assert removed > 0, "retention never ran: the test would not cover it"
     assert not list((out / "journal").glob("*.wal")), "journal left after a clean stop"

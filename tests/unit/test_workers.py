@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -23,6 +24,8 @@ from turnstile.server.workers import owner_of
 
 START_TIMEOUT_S = 60.0
 TURNS = 3
+# Each worker bounds the header phase too (turnstile.server.header_phase); small here.
+HEADER_READ_TIMEOUT_S = 2.0
 
 
 def _children(pid: int) -> list[int]:
@@ -51,6 +54,19 @@ def _call(
         time.sleep(0.1)
 
 
+def _slow_heads_are_cut_off(port: int) -> None:
+    """Connections that never finish their headers get 408 from whichever worker took them."""
+    socks = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(6)]
+    for sock in socks:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+    for sock in socks:
+        with sock:
+            answer = b""
+            while chunk := sock.recv(65536):
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 408 "), answer
+
+
 def test_two_workers_keep_every_rollout_whole(
     backend_url: str,  # noqa: F811
     tmp_path: Path,
@@ -58,7 +74,11 @@ def test_two_workers_keep_every_rollout_whole(
     port = _port()
     base = f"http://127.0.0.1:{port}"
     out = tmp_path / "out"
-    env = {**os.environ, "TURNSTILE_SHARD_MAX_AGE_S": "0.3"}
+    env = {
+        **os.environ,
+        "TURNSTILE_SHARD_MAX_AGE_S": "0.3",
+        "TURNSTILE_HEADER_READ_TIMEOUT_S": str(HEADER_READ_TIMEOUT_S),
+    }
     log = (tmp_path / "serve.log").open("wb")
     proc = subprocess.Popen(
         [
@@ -129,6 +149,7 @@ def test_two_workers_keep_every_rollout_whole(
             finished = _call("POST", f"{base}/rollouts/{rid}/finish").json()
             assert finished["status"] == "finished" and finished["num_turns"] == TURNS
         assert _call("GET", f"{base}/rollouts/{rollouts[-1]}").json()["num_turns"] == TURNS
+        _slow_heads_are_cut_off(port)
     finally:
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(120)

@@ -38,7 +38,7 @@ import orjson
 from turnstile.errors import Overloaded
 from turnstile.limits import PUBLISH_DELAY_S, WRITER_TICK_S
 from turnstile.output.quarantine import quarantine
-from turnstile.output.shards import Sink
+from turnstile.output.shards import Sink, SinkError
 from turnstile.output.stitch import RolloutInfo, stitch
 from turnstile.output.tokenizer import LocalTokenizer
 from turnstile.records import (
@@ -414,10 +414,19 @@ class Recorder:
         fresh = [x for x in samples if x.sample_index not in job.skip_samples]
         if job.publish and self._publish_due is None:
             self._publish_due = time.monotonic() + self._publish_delay_s
+        # The sink buffers rows before it publishes, so a failing publish of the samples
+        # (a full disk) must not keep the rollout row from the buffer: both are written,
+        # then the first failure is raised (the job keeps its journal pin).
+        failed: SinkError | None = None
         if fresh:
-            self._sink.write_samples(fresh)
+            try:
+                self._sink.write_samples(fresh)
+            except SinkError as exc:
+                failed = exc
+        self.stats.samples_written += len(fresh)
         if job.skip_rollout:
-            self.stats.samples_written += len(fresh)
+            if failed is not None:
+                raise failed
             return
         self._sink.write_rollouts(
             [
@@ -438,5 +447,6 @@ class Recorder:
                 )
             ]
         )
-        self.stats.samples_written += len(fresh)
         self.stats.rollouts_written += 1
+        if failed is not None:
+            raise failed

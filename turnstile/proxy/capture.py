@@ -431,7 +431,21 @@ class ResponseCapture:
         return cap
 
     def add(self, obj: dict[str, Any], *, chunk: bool) -> None:
-        """Take the recorded fields from a whole response or from one stream chunk."""
+        """Take the recorded fields from a whole response or from one stream chunk.
+
+        A field of an unexpected type (choices that are no list, logprobs that are no
+        array, ...) cannot be recorded: `BackendValueError` (a 502, the turn recorded as an
+        error), never a foreign exception that would cut the call unrecorded.
+        """
+        try:
+            self._add(obj, chunk)
+        except (TypeError, ValueError, AttributeError, KeyError, IndexError) as exc:
+            raise BackendValueError(
+                f"the backend sent an answer of an unexpected shape: {type(exc).__name__}: "
+                f"{str(exc)[:200]}"
+            ) from None
+
+    def _add(self, obj: dict[str, Any], chunk: bool) -> None:
         if isinstance(obj.get("model"), str):
             self.model = obj["model"]
         if obj.get("prompt_token_ids") is not None:
@@ -439,7 +453,12 @@ class ResponseCapture:
         if isinstance(obj.get("usage"), dict):
             self.usage = obj["usage"]
         plan = self.plan
-        for choice in obj.get("choices") or ():
+        choices = obj.get("choices") or ()
+        if not isinstance(choices, list | tuple):
+            raise BackendValueError(
+                f"the backend sent choices of type {type(choices).__name__}, not an array"
+            )
+        for choice in choices:
             if not isinstance(choice, dict):
                 continue
             cap = self._choice(choice.get("index"))

@@ -18,9 +18,11 @@ journal held at start-up), `set_policy_version` and `start_draining`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -177,8 +179,14 @@ class Proxy:
         )
         self._draining = False
         self.in_flight = 0
-        self.idle = asyncio.Event()  # set while no call is in flight
+        self.idle = asyncio.Event()  # set while no call is in flight (nor work held back)
         self.idle.set()
+        # Work for the recorder held back until the journal frame it comes from is written
+        # (write-ahead order), oldest first: (that frame, the work's pin, the hand-over).
+        self._unjournaled: deque[tuple[int, int | None, Callable[[], None]]] = deque()
+        self._unjournaled_task: asyncio.Task[None] | None = None
+        self._held_back = self._handed_over = 0  # work held back, and handed over since
+        self._handed = asyncio.Condition()  # notified as held-back work is handed over
         self.answers = AnswerCache()
 
     # -- state ----------------------------------------------------------------------------
@@ -297,6 +305,7 @@ class Proxy:
         """The oldest journal frame still needed: by an open rollout, by work the writer
         has not published yet, or (past everything) the next frame to be appended."""
         floors = [self.journal.next_seq, self.registry.oldest_seq(), self.recorder.oldest_pin]
+        floors += [pin for _, pin, _ in self._unjournaled]
         return min(f for f in floors if f is not None)
 
     async def _acknowledge(self, call: _Call) -> None:
@@ -326,24 +335,71 @@ class Proxy:
             list(rollout.rewards.values()),
         )
         group = self.registry.group_of(rollout)
-        group_size = rollout.group_size if group is None else group.size
-        self.recorder.submit_seal(
-            SealJob(
-                info=info,
-                metadata_json=_json_or_none(rollout.metadata),
-                turns=list(rollout.turns),
-                num_calls=rollout.num_turns,
-                created_at=rollout.created_at,
-                sealed_at=rollout.sealed_at or time.time(),
-                skip_samples=skip_samples,
-                skip_rollout=skip_rollout,
-                group_size=group_size,
-                # Publish soon: a rollout on its own, or the last of its group (a trainer
-                # waits for whole groups); a group of unknown size at each seal.
-                publish=group is None or group.size is None or group.complete,
-            ),
-            pin=rollout.first_seq,
+        job = SealJob(
+            info=info,
+            metadata_json=_json_or_none(rollout.metadata),
+            turns=list(rollout.turns),
+            num_calls=rollout.num_turns,
+            created_at=rollout.created_at,
+            sealed_at=rollout.sealed_at or time.time(),
+            skip_samples=skip_samples,
+            skip_rollout=skip_rollout,
+            group_size=rollout.group_size if group is None else group.size,
+            # Publish soon: a rollout on its own, or the last of its group (a trainer
+            # waits for whole groups); a group of unknown size at each seal.
+            publish=group is None or group.size is None or group.complete,
         )
+        pin = rollout.first_seq
+        if self._draining:
+            # Shutdown seals what is left and stops the writer right after, without waiting
+            # on the event loop: handed over at once (the seal frame is written within ms).
+            self.recorder.submit_seal(job, pin=pin)
+            return
+        seal_seq = self.journal.next_seq - 1  # the seal frame, the latest appended
+        self._when_journaled(seal_seq, pin, lambda: self.recorder.submit_seal(job, pin=pin))
+
+    def _when_journaled(self, seq: int, pin: int | None, submit: Callable[[], None]) -> None:
+        """Run `submit` (hand work to the recorder) once journal frame `seq` is written or
+        has failed. The writer publishes within milliseconds; a shard holding a turn the
+        journal does not hold yet would, after a crash at that moment, let the restart
+        reuse its turn index (and stitch its rollout again)."""
+        if seq <= 0 and not self._unjournaled:  # no journal (detached): nothing to wait on
+            submit()
+            return
+        self._unjournaled.append((seq, pin, submit))
+        self._held_back += 1
+        if self._unjournaled_task is None:
+            self.idle.clear()
+            self._unjournaled_task = asyncio.get_running_loop().create_task(
+                self._submit_journaled()
+            )
+
+    async def _submit_journaled(self) -> None:
+        try:
+            while self._unjournaled:
+                seq, _, submit = self._unjournaled[0]
+                if seq > 0:
+                    with contextlib.suppress(JournalError):  # failed: submitted all the same
+                        await self.journal.durable(seq)
+                self._unjournaled.popleft()
+                submit()
+                self._handed_over += 1
+                async with self._handed:
+                    self._handed.notify_all()
+        finally:
+            self._unjournaled_task = None
+            self._settle_idle()
+
+    async def writer_has_everything(self) -> None:
+        """Wait until the work held back for its journal frame now is handed to the
+        writer (milliseconds): what `/admin/flush` publishes must include it."""
+        target = self._held_back
+        async with self._handed:
+            await self._handed.wait_for(lambda: self._handed_over >= target)
+
+    def _settle_idle(self) -> None:
+        if self.in_flight == 0 and not self._unjournaled:
+            self.idle.set()
 
     # -- completion calls ----------------------------------------------------------------
     async def complete(
@@ -417,6 +473,9 @@ class Proxy:
         except TurnstileError as exc:
             self._finish(call, capture, TurnStatus.ERROR, exc.message, exc.status)
             raise
+        except Exception as exc:  # a bug below the Backend seam: recorded as what it is
+            self._finish(call, capture, TurnStatus.ERROR, _internal(exc), 500)
+            raise
         except BaseException:  # cancelled: the client went away, or the server is stopping
             self._finish(call, capture, TurnStatus.ABORTED, "request cancelled", 499)
             raise
@@ -439,6 +498,9 @@ class Proxy:
             if call.aborted is None:
                 self._finish(call, capture, TurnStatus.ERROR, exc.message, exc.status)
                 raise
+        except Exception as exc:
+            self._finish(call, capture, TurnStatus.ERROR, _internal(exc), 500)
+            raise
         except BaseException:
             self._finish(call, capture, TurnStatus.ABORTED, "request cancelled", 499)
             raise
@@ -571,8 +633,6 @@ class Proxy:
         if call.answer_key is not None:
             self.answers.complete(call.answer_key, answer if status is TurnStatus.OK else None)
         self.in_flight -= 1
-        if self.in_flight == 0:
-            self.idle.set()
         records = self._records(call, capture, status, error, http_status)
         first: int | None = None
         try:
@@ -582,8 +642,11 @@ class Proxy:
         except JournalError as exc:  # not acknowledged; still recorded and released
             call.journal_error = exc
             log.error("journal append failed for rollout %s: %s", call.rollout.rollout_id, exc)
-        self.recorder.submit_turns(records, pin=first)
+        self._when_journaled(
+            call.seq, first, lambda: self.recorder.submit_turns(records, pin=first)
+        )
         self.registry.end_turn(call.rollout, records)
+        self._settle_idle()
         if self._on_turn is not None:
             self._on_turn(records)
 
@@ -756,6 +819,11 @@ def _resend(answer: Answer) -> Relay | StreamRelay:
 async def _chunks_of(chunks: list[bytes]) -> AsyncIterator[bytes]:
     for chunk in chunks:
         yield chunk
+
+
+def _internal(exc: Exception) -> str:
+    """The recorded error of a call ended by an unexpected exception (a bug, not a cancel)."""
+    return f"internal error: {type(exc).__name__}: {str(exc)[:200]}"
 
 
 def _error_message(obj: dict[str, Any]) -> str:

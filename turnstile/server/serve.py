@@ -15,6 +15,7 @@ import uvicorn
 
 from turnstile.proxy.core import Proxy
 from turnstile.server.app import create_app
+from turnstile.server.header_phase import bounded_http_protocol
 from turnstile.server.workers import WorkerSpec, socket_path
 from turnstile.settings import Settings
 
@@ -100,6 +101,8 @@ def run_server(
         port=settings.port,
         log_level=settings.log_level,
         access_log=False,
+        # Each request's line and headers are bounded in time and bytes (slowloris).
+        http=bounded_http_protocol(settings.header_read_timeout_s),
         # uvicorn's own wait for open connections; the app drains in-flight calls too.
         timeout_graceful_shutdown=int(settings.drain_timeout_s) or None,
     )

@@ -205,6 +205,7 @@ def add_routes(
             metadata=body.metadata,
             group_size=body.group_size,
         )
+        await proxy.journal.durable()  # acknowledged means journaled
         base = str(request.base_url).rstrip("/")
         out = rollout.summary()
         out["base_url"] = f"{base}/rollouts/{rollout.rollout_id}/v1"
@@ -229,6 +230,7 @@ def add_routes(
         rollout = proxy.registry.add_rewards(
             check_rollout_id(rollout_id), body.rewards, _info_text(body.info)
         )
+        await proxy.journal.durable()  # acknowledged means journaled
         return rollout.summary()
 
     @router.post("/rollouts/{rollout_id}/finish", tags=["rollouts"])
@@ -244,7 +246,9 @@ def add_routes(
                     param="rewards",
                 )
             proxy.registry.add_rewards(rid, body.rewards, _info_text(body.info))
-        return proxy.registry.finish(rid).summary()
+        rollout = proxy.registry.finish(rid)
+        await proxy.journal.durable()  # acknowledged means journaled
+        return rollout.summary()
 
     @router.get("/admin/policy_version", tags=["admin"])
     async def get_policy_version() -> dict[str, int]:
@@ -271,6 +275,7 @@ def add_routes(
     async def flush() -> dict[str, Any]:
         """Publish everything handed to the writer so far (sealed rollouts, turns), now;
         answers once it is in published shards."""
+        await proxy.writer_has_everything()
         flush = proxy.recorder.request_flush()
         done = await asyncio.to_thread(flush.done.wait, ADMIN_FLUSH_TIMEOUT_S)
         if not done:
