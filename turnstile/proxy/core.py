@@ -45,7 +45,6 @@ from turnstile.jsontext import json_text
 from turnstile.limits import MAX_JSON_DEPTH, MAX_OPEN_ROLLOUT_BYTES, MAX_ROLLOUT_BYTES
 from turnstile.output.recorder import Recorder, SealJob
 from turnstile.output.stitch import RolloutInfo
-from turnstile.proxy import sparse
 from turnstile.proxy.capture import (
     CHAT,
     CapturePlan,
@@ -57,6 +56,7 @@ from turnstile.proxy.capture import validate_request as validate
 from turnstile.proxy.retries import Answer, AnswerCache, answer_key, is_retry
 from turnstile.proxy.rollouts import Rollout, RolloutRegistry
 from turnstile.proxy.sse import DONE, SSEError, SSEEvent, SSEParser, encode_data
+from turnstile.proxy.tokens import read_answer
 from turnstile.records import RolloutStatus, Timings, TokenSource, TurnRecord, TurnStatus
 
 log = logging.getLogger("turnstile.proxy")
@@ -358,14 +358,13 @@ class Proxy:
             resp.close()
         call.t_first = time.perf_counter()
         body = None
-        if not call.plan.needs_strip:  # the bytes go out unchanged: decode what is recorded
-            try:
-                body = sparse.DECODER.decode(raw)
-            except sparse.DecodeError:
-                body = None  # unexpected shapes: the full decode below tells what is wrong
+        plan = call.plan
         try:
+            if not plan.needs_strip:  # the bytes go out unchanged: read what is recorded
+                # None for unexpected shapes: the full decode below tells what is wrong
+                body = read_answer(raw, plan.endpoint != CHAT, plan.tokens_as_ids)
             if body is not None:
-                capture.add_sparse(body)
+                capture.add_answer(body)
             else:
                 try:
                     obj = orjson.loads(raw)
@@ -550,7 +549,9 @@ class Proxy:
                     choice_index=index,
                     model=model,
                     token_source=TokenSource.BACKEND if exact else TokenSource.NONE,
-                    prompt_token_ids=np.asarray(prompt or (), dtype=np.int32),
+                    prompt_token_ids=_EMPTY_I32
+                    if prompt is None
+                    else np.asarray(prompt, dtype=np.int32),
                     completion_token_ids=ids,
                     behavior_logprobs=lps,
                     finish_reason=cap.finish_reason,
