@@ -397,7 +397,17 @@ class Proxy:
         unrecordable = False  # the backend sent a value no column can hold
         try:
             async for chunk in resp.iter_chunks():
-                piece = events.relay(parser.feed(chunk))
+                ready = parser.feed(chunk)
+                if not events.sent_any and len(ready) > 1:
+                    # The first event goes out before the rest of its read is decoded.
+                    piece = events.relay(ready[:1])
+                    ready = ready[1:]
+                    if piece:
+                        if kept is not None:
+                            kept.append(piece)
+                        yield piece
+                # The events of one read go out together, as one send.
+                piece = events.relay(ready) if not events.saw_done else b""
                 if piece:
                     if kept is not None:
                         kept.append(piece)
@@ -589,12 +599,13 @@ async def _passthrough_chunks(resp: BackendResponse) -> AsyncIterator[bytes]:
 class _EventRelay:
     """Records each SSE event of a stream and rewrites it for the client."""
 
-    __slots__ = ("call", "capture", "saw_done", "stream_error")
+    __slots__ = ("call", "capture", "saw_done", "sent_any", "stream_error")
 
     def __init__(self, call: _Call, capture: ResponseCapture) -> None:
         self.call = call
         self.capture = capture
         self.saw_done = False
+        self.sent_any = False  # some bytes of the stream have been handed out
         self.stream_error: str | None = None  # an error event sent by the backend itself
 
     def relay(self, events: list[SSEEvent]) -> bytes:
@@ -634,6 +645,8 @@ class _EventRelay:
                     out.append(encode_data(orjson.dumps(obj)))
             else:
                 out.append(event.raw)
+        if out:
+            self.sent_any = True
         return b"".join(out)
 
 

@@ -1,0 +1,82 @@
+"""How a stream's events go out: the first at once, the rest of each read in one send.
+
+The backend here delivers several events in one read (as a fast engine's first read
+does); the proxy must hand the first event to the client before it decodes the others,
+and every later read's events as one piece, while recording all of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import orjson
+
+from tests.fakes_sink import InMemorySink
+from turnstile.backends.fake import (
+    SSE_DONE,
+    SSE_HEADERS,
+    FakeResponse,
+    chat_role_chunk,
+    chat_token_chunk,
+    logprob_entry,
+    sse_event,
+)
+from turnstile.output.recorder import Recorder
+from turnstile.proxy.capture import CHAT
+from turnstile.proxy.core import Proxy, StreamRelay
+
+PROMPT = list(range(100, 140))
+IDS = [7, 8, 9, 10, 11]
+
+
+class _Reads:
+    """A backend whose stream arrives in the given reads."""
+
+    base_url = "http://fake"
+
+    def __init__(self, reads: list[bytes]) -> None:
+        self.reads = reads
+
+    async def request(
+        self, method: str, path: str, body: bytes | None, headers: Mapping[str, str]
+    ) -> FakeResponse:
+        return FakeResponse(200, SSE_HEADERS, list(self.reads))
+
+    async def aclose(self) -> None:
+        return None
+
+
+def _events() -> list[bytes]:
+    events = [sse_event(chat_role_chunk("c", "m", 1, PROMPT))]
+    for i, token in enumerate(IDS):
+        entry = logprob_entry(f"t{token}", -0.5 * i)
+        last = "stop" if i == len(IDS) - 1 else None
+        events.append(sse_event(chat_token_chunk("c", "m", 0, f"t{token}", entry, token, last)))
+    return events
+
+
+async def test_the_first_event_goes_out_alone_then_each_read_in_one_send() -> None:
+    events = _events()
+    reads = [b"".join(events[:4]), b"".join(events[4:]) + SSE_DONE]
+    sink = InMemorySink()
+    proxy = Proxy(
+        _Reads(reads),
+        Recorder(sink, max_backlog=100),
+        top_logprobs=0,
+        policy_version=0,
+        idle_timeout_s=60.0,
+    )
+    request = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+        "logprobs": True,
+        "return_token_ids": True,
+    }
+    relay = await proxy.complete(CHAT, orjson.dumps(request), rollout_id="r")
+    assert isinstance(relay, StreamRelay)
+    pieces = [piece async for piece in relay.chunks]
+    assert pieces == [events[0], b"".join(events[1:4]), b"".join(events[4:]), SSE_DONE]
+    (turn,) = proxy.registry.get("r").turns  # recorded whole: every event was decoded
+    assert turn.prompt_token_ids.tolist() == PROMPT
+    assert turn.completion_token_ids.tolist() == IDS
+    assert turn.behavior_logprobs.tolist() == [-0.5 * i for i in range(len(IDS))]
