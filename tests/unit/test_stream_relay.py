@@ -25,7 +25,7 @@ from turnstile.output.recorder import Recorder
 from turnstile.proxy.capture import CHAT
 from turnstile.proxy.core import Proxy, StreamRelay
 
-PROMPT = list(range(100, 140))
+PROMPT = list(range(100_000, 100_400))  # a first chunk large enough to be scanned
 IDS = [7, 8, 9, 10, 11]
 
 

@@ -176,7 +176,15 @@ static int string(Scanner *s, const unsigned char **from, const unsigned char **
         if (c == 'u') {
             unsigned cp;
             if (s->end - s->p < 6 || hex4(s->p + 2, &cp) != 0) return MISFIT;
-            if (cp >= 0xD800 && cp <= 0xDFFF) return MISFIT;
+            if (cp >= 0xDC00 && cp <= 0xDFFF) return MISFIT; /* a lone low surrogate */
+            if (cp >= 0xD800 && cp <= 0xDBFF) {
+                /* a high surrogate: valid only as the first half of a pair */
+                unsigned low;
+                if (s->end - s->p < 12 || s->p[6] != '\\' || s->p[7] != 'u' ||
+                    hex4(s->p + 8, &low) != 0 || low < 0xDC00 || low > 0xDFFF)
+                    return MISFIT;
+                s->p += 6;
+            }
             s->p += 6;
         } else if (c == '"' || c == '\\' || c == '/' || c == 'b' || c == 'f' || c == 'n' ||
                    c == 'r' || c == 't') {
@@ -287,6 +295,16 @@ static int to_double(const unsigned char *from, const unsigned char *to, int int
     return OK;
 }
 
+/* A number the decoders take: msgspec refuses one beyond a double (1e400) wherever it is. */
+static int finite_number(Scanner *s) {
+    const unsigned char *from;
+    int integer;
+    if (number(s, &from, &integer) != OK) return MISFIT;
+    if (integer) return s->p - from <= 300 ? OK : MISFIT; /* far below 1e308 */
+    double d;
+    return to_double(from, s->p, integer, &d);
+}
+
 static int skip_value(Scanner *s, int depth);
 
 static int skip_container(Scanner *s, int depth, unsigned char close) {
@@ -309,8 +327,6 @@ static int skip_container(Scanner *s, int depth, unsigned char close) {
 
 /* Any JSON value at s->p (whitespace before it already skipped). */
 static int skip_value(Scanner *s, int depth) {
-    const unsigned char *from;
-    int integer;
     switch (peek(s)) {
     case '"': return skip_string(s);
     case '{': return skip_container(s, depth + 1, '}');
@@ -318,7 +334,7 @@ static int skip_value(Scanner *s, int depth) {
     case 't': return literal(s, "true", 4);
     case 'f': return literal(s, "false", 5);
     case 'n': return literal(s, "null", 4);
-    default: return number(s, &from, &integer);
+    default: return finite_number(s);
     }
 }
 
@@ -374,23 +390,80 @@ static int id_array(Scanner *s, Buf *out, int *present) {
     s->p++;
     *present = 1;
     if (eat(s, ']')) return OK;
+    /* The hot loop of a long prompt: digits, a comma, digits, ... with at most a few
+     * spaces between; at most one id per two bytes, so the room is reserved up front. */
+    Py_ssize_t room = (s->end - s->p) / 2 + 1;
+    if (out->cap - out->len < room * 4) {
+        Py_ssize_t cap = out->len + room * 4;
+        char *data = PyMem_Realloc(out->data, (size_t)cap);
+        if (data == NULL) {
+            PyErr_NoMemory();
+            return ERROR;
+        }
+        out->data = data;
+        out->cap = cap;
+    }
+    const unsigned char *p = s->p, *end = s->end;
+    char *dst = out->data + out->len;
     for (;;) {
-        long long v;
-        if (bounded_int(s, MAX_TOKEN_ID, &v) != OK) return MISFIT;
+        while (p < end && (*p == ' ' || *p == '\n' || *p == '\r' || *p == '\t')) p++;
+        const unsigned char *digits = p;
+        uint64_t v = 0;
+        while (p < end && *p >= '0' && *p <= '9' && p - digits <= MAX_ID_DIGITS)
+            v = v * 10 + (uint64_t)(*p++ - '0');
+        Py_ssize_t n = p - digits;
+        if (n == 0 || n > MAX_ID_DIGITS || v > (uint64_t)MAX_TOKEN_ID || (n > 1 && *digits == '0'))
+            return MISFIT;
+        if (p < end && (*p == '.' || *p == 'e' || *p == 'E' || (*p >= '0' && *p <= '9')))
+            return MISFIT;
         int32_t id = (int32_t)v;
-        if (buf_push(out, &id, sizeof id) != 0) return ERROR;
-        if (eat(s, ',')) continue;
-        if (eat(s, ']')) return OK;
+        memcpy(dst, &id, sizeof id);
+        dst += sizeof id;
+        while (p < end && (*p == ' ' || *p == '\n' || *p == '\r' || *p == '\t')) p++;
+        if (p < end && *p == ',') {
+            p++;
+            continue;
+        }
+        out->len = dst - out->data;
+        s->p = p;
+        if (p < end && *p == ']') {
+            s->p++;
+            return OK;
+        }
         return MISFIT;
     }
 }
+
+/* Whether the escapes of the string [a, b) could decode to characters of `allowed` (then
+ * its decoded text might be a key or a "token_id:N" the caller looks for). The simple
+ * escapes (\\n, \\", ...) never decode to letters, digits, '_' or ':'. */
+static int escapes_may_spell(const unsigned char *a, const unsigned char *b, const char *allowed) {
+    for (const unsigned char *p = a; p < b; p++) {
+        if (*p != '\\') continue;
+        if (p[1] == 'u') {
+            unsigned cp;
+            if (hex4(p + 2, &cp) == 0 && cp < 128 && cp != 0 && strchr(allowed, (int)cp))
+                return 1;
+            p += 5;
+        } else p++;
+    }
+    return 0;
+}
+
+#define KEY_CHARS "abcdefghijklmnopqrstuvwxyz_"
+#define TOKEN_ID_CHARS "tokenid_:0123456789"
 
 /* The key of an object member (no escapes allowed) and the colon after it. */
 static int key(Scanner *s, const unsigned char **from, Py_ssize_t *len) {
     const unsigned char *a, *b;
     int escaped;
     ws(s);
-    if (string(s, &a, &b, &escaped) != OK || escaped || !eat(s, ':')) return MISFIT;
+    if (string(s, &a, &b, &escaped) != OK || !eat(s, ':')) return MISFIT;
+    if (escaped) {
+        /* an escaped key is some other key unless its escapes may spell a known one */
+        if (escapes_may_spell(a, b, KEY_CHARS)) return MISFIT;
+        a = b = (const unsigned char *)"";
+    }
     *from = a;
     *len = b - a;
     return OK;
@@ -486,7 +559,9 @@ static int top_token(Scanner *s, int depth, long long *id) {
     if (peek(s) != '"') return skip_value(s, depth) == OK ? 0 : MISFIT;
     const unsigned char *a, *b;
     int escaped;
-    if (string(s, &a, &b, &escaped) != OK || escaped) return MISFIT;
+    if (string(s, &a, &b, &escaped) != OK) return MISFIT;
+    if (escaped) /* not "token_id:N", unless its escapes may spell part of that */
+        return escapes_may_spell(a, b, TOKEN_ID_CHARS) ? MISFIT : 0;
     if (b - a < ID_PREFIX_LEN || memcmp(a, ID_PREFIX, ID_PREFIX_LEN) != 0) return 0;
     a += ID_PREFIX_LEN;
     if (a == b) return 0;
@@ -503,6 +578,8 @@ static int top_token(Scanner *s, int depth, long long *id) {
 
 static int push_top(Choice *c, long long id, double value) {
     int64_t i = id;
+    float f = (float)value; /* written as float32: beyond it, the slow path refuses */
+    if (f == f && f - f != 0.0f) return MISFIT;
     if (buf_push(&c->top_ids, &i, sizeof i) != 0) return ERROR;
     if (buf_push(&c->top_values, &value, sizeof value) != 0) return ERROR;
     return OK;
@@ -606,15 +683,20 @@ static int completion_top(Scanner *s, int depth, Choice *c, int record) {
             const unsigned char *a, *b;
             int escaped;
             ws(s);
-            if (string(s, &a, &b, &escaped) != OK || escaped || !eat(s, ':')) return MISFIT;
-            if (nkeys == 64) return MISFIT; /* more alternatives than vLLM's 20 */
-            for (int i = 0; i < nkeys; i++)
-                if (lens[i] == b - a && memcmp(keys[i], a, (size_t)(b - a)) == 0) return MISFIT;
-            keys[nkeys] = a;
-            lens[nkeys++] = b - a;
-            double value;
-            if (logprob(s, depth + 1, &value) != OK) return MISFIT;
-            if (record) {
+            if (string(s, &a, &b, &escaped) != OK || !eat(s, ':')) return MISFIT;
+            if (!record) { /* validated only */
+                ws(s);
+                if (skip_value(s, depth + 1) != OK) return MISFIT;
+            } else {
+                /* a token twice, or one spelled with escapes, is left to the slow path */
+                if (escaped || nkeys == 64) return MISFIT; /* vLLM sends at most 20 */
+                for (int i = 0; i < nkeys; i++)
+                    if (lens[i] == b - a && memcmp(keys[i], a, (size_t)(b - a)) == 0)
+                        return MISFIT;
+                keys[nkeys] = a;
+                lens[nkeys++] = b - a;
+                double value;
+                if (logprob(s, depth + 1, &value) != OK) return MISFIT;
                 /* the key as a top-k token: re-scan it as a string */
                 Scanner t = {s->start, a - 1, b + 1};
                 long long id;
@@ -622,7 +704,8 @@ static int completion_top(Scanner *s, int depth, Choice *c, int record) {
                 if (is_id < 0) return MISFIT;
                 if (is_id) {
                     row++;
-                    if (push_top(c, id, value) != OK) return ERROR;
+                    int t = push_top(c, id, value);
+                    if (t != OK) return t;
                 }
             }
             r = next_member(s);
@@ -749,15 +832,26 @@ static PyObject *span_object(const Span *span) {
     return Py_BuildValue("(nn)", span->start, span->end);
 }
 
+/* A field's value where it is cheap to make here: None for null (or absent), a str for a
+ * string without escapes; else the (start, end) span for the caller to decode. */
+static PyObject *value_object(const unsigned char *base, const Span *span) {
+    if (span->start < 0) Py_RETURN_NONE;
+    const unsigned char *a = base + span->start, *b = base + span->end;
+    if (b - a == 4 && memcmp(a, "null", 4) == 0) Py_RETURN_NONE;
+    if (b - a >= 2 && *a == '"' && memchr(a + 1, '\\', (size_t)(b - a - 2)) == NULL)
+        return PyUnicode_DecodeUTF8((const char *)a + 1, b - a - 2, NULL);
+    return span_object(span);
+}
+
 /* The Python tuple of one scanned choice. */
-static PyObject *choice_tuple(Choice *c) {
+static PyObject *choice_tuple(const unsigned char *base, Choice *c) {
     return Py_BuildValue(
         "(LNNNNNNNNNNN)", c->index, buf_take(&c->ids, c->has_ids),
         buf_take(&c->prompt, c->has_prompt), buf_take(&c->logprobs, c->has_logprobs),
         buf_take(&c->top_counts, c->has_tops), buf_take(&c->top_ids, c->has_tops),
         buf_take(&c->top_values, c->has_tops), span_object(&c->message),
-        span_object(&c->delta), span_object(&c->text), span_object(&c->finish),
-        span_object(&c->stop));
+        span_object(&c->delta), value_object(base, &c->text), value_object(base, &c->finish),
+        value_object(base, &c->stop));
 }
 
 /* -- the whole answer ------------------------------------------------------------------- */
@@ -769,7 +863,38 @@ typedef struct {
     PyObject *choices; /* list of choice tuples */
 } Answer;
 
-static int answer(Scanner *s, Answer *a, const Mode *mode, unsigned char *indices) {
+/* The choice indices seen so far: a few in a list, a bitmap past that (allocated only for
+ * answers with many choices, so that a one-token stream chunk costs no allocation). */
+#define FEW_CHOICES 16
+typedef struct {
+    long long few[FEW_CHOICES];
+    int count;
+    unsigned char *bitmap;
+} Indices;
+
+/* 1 when `index` was seen before (then the slow path merges the choices), 0 after noting
+ * it, ERROR without memory. */
+static int seen_before(Indices *seen, long long index) {
+    if (seen->bitmap == NULL) {
+        for (int i = 0; i < seen->count; i++)
+            if (seen->few[i] == index) return 1;
+        if (seen->count < FEW_CHOICES) {
+            seen->few[seen->count++] = index;
+            return 0;
+        }
+        seen->bitmap = PyMem_Calloc(MAX_CHOICE_INDEX + 1, 1);
+        if (seen->bitmap == NULL) {
+            PyErr_NoMemory();
+            return ERROR;
+        }
+        for (int i = 0; i < seen->count; i++) seen->bitmap[seen->few[i]] = 1;
+    }
+    if (seen->bitmap[index]) return 1;
+    seen->bitmap[index] = 1;
+    return 0;
+}
+
+static int answer(Scanner *s, Answer *a, const Mode *mode, Indices *indices) {
     int r = open_object(s, 0);
     if (r < 0) return MISFIT;
     unsigned seen = 0;
@@ -804,12 +929,12 @@ static int answer(Scanner *s, Answer *a, const Mode *mode, unsigned char *indice
                 choice_reset(&c);
                 t = choice(s, 2, &c, mode);
                 if (t != OK) break;
-                if (indices[c.index]) {
-                    t = MISFIT; /* one index twice: the slow path merges them */
+                int again = seen_before(indices, c.index);
+                if (again != 0) {
+                    t = again == 1 ? MISFIT : ERROR; /* one index twice: the slow path */
                     break;
                 }
-                indices[c.index] = 1;
-                PyObject *tuple = choice_tuple(&c);
+                PyObject *tuple = choice_tuple(s->start, &c);
                 if (tuple == NULL || PyList_Append(a->choices, tuple) != 0) {
                     Py_XDECREF(tuple);
                     t = ERROR;
@@ -847,8 +972,10 @@ PyDoc_STRVAR(scan_doc,
              "body is not exactly the expected shape (decode it the slow way).\n\n"
              "Returns (prompt_ids, model, usage, error, choices): token arrays are bytearrays\n"
              "of native int32 (ids), float32 (logprobs), int64 (top-k counts and ids) and\n"
-             "float64 (top-k values), or None where absent; other fields are (start, end)\n"
-             "byte offsets of their JSON value, or None. `choices` is None when the body had\n"
+             "float64 (top-k values), or None where absent. model, usage, text,\n"
+             "finish_reason and stop_reason are None (null or absent), a str (a string\n"
+             "without escapes) or the (start, end) byte offsets of their JSON value; error,\n"
+             "message and delta are offsets, or None. `choices` is None when the body had\n"
              "none (absent or null), else a list of (index, token_ids, prompt_token_ids,\n"
              "logprobs, top_counts, top_ids, top_values, message, delta, text,\n"
              "finish_reason, stop_reason).");
@@ -864,23 +991,23 @@ static PyObject *scan(PyObject *module, PyObject *args) {
     memset(&a, 0, sizeof a);
     a.model.start = a.usage.start = a.error.start = -1;
     a.choices = PyList_New(0);
-    unsigned char *indices = PyMem_Calloc(MAX_CHOICE_INDEX + 1, 1);
+    Indices indices;
+    indices.count = 0;
+    indices.bitmap = NULL;
     PyObject *result = NULL;
-    if (a.choices == NULL || indices == NULL) {
-        if (indices == NULL) PyErr_NoMemory();
-        goto done;
-    }
-    int r = answer(&s, &a, &mode, indices);
+    if (a.choices == NULL) goto done;
+    int r = answer(&s, &a, &mode, &indices);
     if (r == ERROR) goto done;
     if (r == MISFIT) {
         result = Py_NewRef(Py_None);
         goto done;
     }
     PyObject *choices = a.has_choices ? Py_NewRef(a.choices) : Py_NewRef(Py_None);
-    result = Py_BuildValue("(NNNNN)", buf_take(&a.prompt, a.has_prompt), span_object(&a.model),
-                           span_object(&a.usage), span_object(&a.error), choices);
+    result = Py_BuildValue("(NNNNN)", buf_take(&a.prompt, a.has_prompt),
+                           value_object(s.start, &a.model), value_object(s.start, &a.usage),
+                           span_object(&a.error), choices);
 done:
-    PyMem_Free(indices);
+    PyMem_Free(indices.bitmap);
     buf_free(&a.prompt);
     Py_XDECREF(a.choices);
     PyBuffer_Release(&view);

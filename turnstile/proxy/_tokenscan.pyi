@@ -9,7 +9,7 @@ def scan(
 ) -> (
     tuple[
         bytearray | None,
-        tuple[int, int] | None,
+        str | tuple[int, int] | None,
         tuple[int, int] | None,
         tuple[int, int] | None,
         list[tuple[Any, ...]] | None,

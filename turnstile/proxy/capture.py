@@ -22,7 +22,7 @@ import numpy as np
 
 from turnstile.errors import BackendValueError, Unprocessable
 from turnstile.limits import MAX_CHOICE_INDEX, MAX_TOKEN_ID
-from turnstile.proxy.tokens import AnswerTokens, logprob_value, top_token_id
+from turnstile.proxy.tokens import AnswerTokens, ScannedChunk, logprob_value, top_token_id
 from turnstile.records import Float32Array, Int32Array
 
 CHAT = "chat.completions"
@@ -407,6 +407,47 @@ class ResponseCapture:
                 cap.add_chat_logprobs(choice.get("logprobs"), plan.tokens_as_ids)
             else:
                 cap.add_completion_logprobs(choice.get("logprobs"), plan.tokens_as_ids)
+
+    def add_scanned_chunk(self, chunk: ScannedChunk) -> None:
+        """`add(obj, chunk=True)` for a stream chunk read by the compiled scanner: the
+        same values, without decoding the chunk into Python objects."""
+        model = chunk.model
+        if model is not None and isinstance(model := chunk.value(model), str):
+            self.model = model
+        if chunk.prompt_token_ids is not None:  # bounded as it was read
+            self.prompt_token_ids = np.frombuffer(chunk.prompt_token_ids, dtype=np.int32)
+        if chunk.usage is not None and isinstance(usage := chunk.value(chunk.usage), dict):
+            self.usage = usage
+        chat = self.plan.endpoint == CHAT
+        for found in chunk.choices or ():
+            index, ids, prompt, lps, counts, top_ids, top_values = found[:7]
+            _message, delta, text, finish, stop = found[7:]
+            cap = self._choice(index)
+            if ids is not None:
+                cap.token_ids.extend(memoryview(ids).cast("i"))
+                cap.saw_token_ids = True
+            if prompt is not None:
+                cap.prompt_token_ids = np.frombuffer(prompt, dtype=np.int32)
+            if finish is not None and (reason := chunk.value(finish)) is not None:
+                cap.finish_reason = str(reason)
+            if stop is not None and (reason := chunk.value(stop)) is not None:
+                cap.stop_reason = str(reason)
+            if text is not None and isinstance(piece := chunk.value(text), str):
+                cap.content.append(piece)
+            if chat and delta is not None:
+                cap.add_chat_message(chunk.value(delta), True)
+            if lps is not None:
+                cap.logprobs.extend(memoryview(lps).cast("f"))
+            if counts is not None:
+                if cap.top_ids is None or cap.top_values is None:
+                    cap.top_ids, cap.top_values = [], []
+                flat_ids = np.frombuffer(top_ids, dtype=np.int64).tolist()
+                flat_values = np.frombuffer(top_values, dtype=np.float64).tolist()
+                start = 0
+                for n in memoryview(counts).cast("q"):
+                    cap.top_ids.append(flat_ids[start : start + n])
+                    cap.top_values.append(flat_values[start : start + n])
+                    start += n
 
     def add_answer(self, answer: AnswerTokens) -> None:
         """`add` for a whole response read by `turnstile.proxy.tokens.read_answer`."""

@@ -56,7 +56,7 @@ from turnstile.proxy.capture import validate_request as validate
 from turnstile.proxy.retries import Answer, AnswerCache, answer_key, is_retry
 from turnstile.proxy.rollouts import Rollout, RolloutRegistry
 from turnstile.proxy.sse import DONE, SSEError, SSEEvent, SSEParser, encode_data
-from turnstile.proxy.tokens import read_answer
+from turnstile.proxy.tokens import read_answer, scan_chunk
 from turnstile.records import RolloutStatus, Timings, TokenSource, TurnRecord, TurnStatus
 
 log = logging.getLogger("turnstile.proxy")
@@ -612,6 +612,7 @@ class _EventRelay:
         """The bytes to send for `events` (stopping at `[DONE]`, which is sent later)."""
         out: list[bytes] = []
         plan, capture = self.call.plan, self.capture
+        chat, as_ids = plan.endpoint == CHAT, plan.tokens_as_ids
         for event in events:
             data = event.data
             if data is None:
@@ -620,6 +621,15 @@ class _EventRelay:
             if data.strip() == DONE:
                 self.saw_done = True
                 break
+            scanned = None if plan.needs_strip else scan_chunk(data, not chat, as_ids)
+            if scanned is not None:  # the bytes go out unchanged: read only what is recorded
+                if scanned.error is not None and not scanned.choices:
+                    self.stream_error = _error_message({"error": scanned.value(scanned.error)})
+                else:
+                    capture.add_scanned_chunk(scanned)
+                    self._note_first_token()
+                out.append(event.raw)
+                continue
             try:
                 obj = orjson.loads(data)
             except orjson.JSONDecodeError as exc:
@@ -635,10 +645,7 @@ class _EventRelay:
                 out.append(event.raw)
                 continue
             capture.add(obj, chunk=True)
-            if self.call.t_first is None and any(
-                c.token_ids or c.content for c in capture.choices.values()
-            ):
-                self.call.t_first = time.perf_counter()
+            self._note_first_token()
             if plan.needs_strip:
                 plan.strip(obj)
                 if not plan.carries_nothing(obj):
@@ -648,6 +655,12 @@ class _EventRelay:
         if out:
             self.sent_any = True
         return b"".join(out)
+
+    def _note_first_token(self) -> None:
+        if self.call.t_first is None and any(
+            c.token_ids or c.content for c in self.capture.choices.values()
+        ):
+            self.call.t_first = time.perf_counter()
 
 
 def _stream_type(resp: BackendResponse) -> str:
