@@ -576,3 +576,70 @@ def test_small_chunks_are_left_to_orjson_and_large_ones_scanned() -> None:
     found = tokens.scan_chunk(large, False, False)
     assert found is not None and found.prompt_token_ids is not None
     assert np.frombuffer(found.prompt_token_ids, dtype=np.int32).tolist() == [123456] * 400
+
+
+# -- answers the client gets without the recorded fields ---------------------------------------
+def _stripped(body: bytes, plan: CapturePlan, scanned: bool) -> Any:
+    """The client's body (as parsed JSON) and the capture, or None where a path declines."""
+    capture = ResponseCapture(plan)
+    completions = plan.endpoint != CHAT
+    try:
+        if scanned:
+            found = tokens.scan(body, completions, plan.tokens_as_ids)
+            if found is None:
+                return None
+            capture.add_answer(found)
+            out = found.strip(body, plan.client_token_ids, plan.client_logprobs)
+            assert out is not None
+            client = orjson.loads(out)
+        else:
+            client = orjson.loads(body)
+            if not isinstance(client, dict):
+                return None
+            capture.add(client, chunk=False)
+            plan.strip(client)
+    except orjson.JSONDecodeError:
+        return None
+    except BackendValueError as exc:
+        return ("refused", exc.message)
+    return ("ok", repr(client), _capture_state(capture))
+
+
+@needs_compiled
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    data=st.data(),
+    mode=MODES,
+    hostile=st.booleans(),
+    client_ids=st.booleans(),
+    client_lps=st.booleans(),
+)
+def test_spliced_answers_are_what_decoding_and_stripping_gives(
+    data: st.DataObject,
+    mode: tuple[bool, bool],
+    hostile: bool,
+    client_ids: bool,
+    client_lps: bool,
+) -> None:
+    completions, as_ids = mode
+    body = data.draw(answer_body(completions, hostile))
+    plan = CapturePlan(COMPLETIONS if completions else CHAT, False, client_ids, client_lps, as_ids)
+    scanned = _stripped(body, plan, scanned=True)
+    decoded = _stripped(body, plan, scanned=False)
+    if scanned is not None:
+        assert scanned == decoded, body
+
+
+@needs_compiled
+def test_a_splice_keeps_every_other_byte() -> None:
+    body = (
+        b'{"a" : 1.50, "prompt_token_ids" : [1, 2],"choices":[{"index":0,"token_ids":[3],'
+        b'"logprobs":{"content":[]},"x":"\\u00e9"}]}'
+    )
+    found = tokens.scan(body, False, False)
+    assert found is not None
+    assert found.strip(body, False, True) == (
+        b'{"a" : 1.50, "prompt_token_ids" : null,"choices":[{"index":0,"token_ids":null,'
+        b'"logprobs":{"content":[]},"x":"\\u00e9"}]}'
+    )
+    assert found.strip(body, True, True) == body

@@ -75,7 +75,12 @@ typedef struct {
     const unsigned char *start;
     const unsigned char *p;
     const unsigned char *end;
+    PyObject *recorded; /* list of (start, end, kind) of the recorded values, or NULL */
 } Scanner;
+
+/* The kinds of recorded values (what a client that did not ask for them must not see). */
+#define RECORDED_IDS 0
+#define RECORDED_LOGPROBS 1
 
 typedef struct {
     Py_ssize_t start; /* -1: absent */
@@ -307,6 +312,18 @@ static int finite_number(Scanner *s) {
 
 static int skip_value(Scanner *s, int depth);
 
+/* Notes the recorded value [from, s->p) unless it is null. */
+static int note(Scanner *s, const unsigned char *from, int kind) {
+    if (s->recorded == NULL || (s->p - from == 4 && memcmp(from, "null", 4) == 0)) return OK;
+    PyObject *t = Py_BuildValue("(nni)", from - s->start, s->p - s->start, kind);
+    if (t == NULL || PyList_Append(s->recorded, t) != 0) {
+        Py_XDECREF(t);
+        return ERROR;
+    }
+    Py_DECREF(t);
+    return OK;
+}
+
 static int skip_container(Scanner *s, int depth, unsigned char close) {
     if (depth > MAX_DEPTH) return MISFIT;
     s->p++;
@@ -432,6 +449,14 @@ static int id_array(Scanner *s, Buf *out, int *present) {
         }
         return MISFIT;
     }
+}
+
+/* `id_array`, noting the value as recorded. */
+static int noted_ids(Scanner *s, Buf *out, int *present) {
+    ws(s);
+    const unsigned char *from = s->p;
+    int r = id_array(s, out, present);
+    return r == OK ? note(s, from, RECORDED_IDS) : r;
 }
 
 /* Whether the escapes of the string [a, b) could decode to characters of `allowed` (then
@@ -698,7 +723,7 @@ static int completion_top(Scanner *s, int depth, Choice *c, int record) {
                 double value;
                 if (logprob(s, depth + 1, &value) != OK) return MISFIT;
                 /* the key as a top-k token: re-scan it as a string */
-                Scanner t = {s->start, a - 1, b + 1};
+                Scanner t = {s->start, a - 1, b + 1, NULL};
                 long long id;
                 int is_id = top_token(&t, depth + 1, &id);
                 if (is_id < 0) return MISFIT;
@@ -793,13 +818,18 @@ static int choice(Scanner *s, int depth, Choice *c, const Mode *mode) {
             if (t == OK) t = bounded_int(s, MAX_CHOICE_INDEX, &c->index);
         } else if (is_key(k, n, "token_ids")) {
             t = first_time(&seen, 2);
-            if (t == OK) t = id_array(s, &c->ids, &c->has_ids);
+            if (t == OK) t = noted_ids(s, &c->ids, &c->has_ids);
         } else if (is_key(k, n, "prompt_token_ids")) {
             t = first_time(&seen, 4);
-            if (t == OK) t = id_array(s, &c->prompt, &c->has_prompt);
+            if (t == OK) t = noted_ids(s, &c->prompt, &c->has_prompt);
         } else if (is_key(k, n, "logprobs")) {
             t = first_time(&seen, 8);
-            if (t == OK) t = logprobs_object(s, depth + 1, c, mode);
+            if (t == OK) {
+                ws(s);
+                const unsigned char *from = s->p;
+                t = logprobs_object(s, depth + 1, c, mode);
+                if (t == OK) t = note(s, from, RECORDED_LOGPROBS);
+            }
         } else if (is_key(k, n, "message")) {
             t = first_time(&seen, 16);
             if (t == OK) t = span_value(s, depth + 1, &c->message);
@@ -911,7 +941,7 @@ static int answer(Scanner *s, Answer *a, const Mode *mode, Indices *indices) {
         }
         if (is_key(k, n, "prompt_token_ids")) {
             t = first_time(&seen, 1);
-            if (t == OK) t = id_array(s, &a->prompt, &a->has_prompt);
+            if (t == OK) t = noted_ids(s, &a->prompt, &a->has_prompt);
         } else if (is_key(k, n, "model")) {
             t = first_time(&seen, 2);
             if (t == OK) t = span_value(s, 1, &a->model);
@@ -970,7 +1000,7 @@ PyDoc_STRVAR(scan_doc,
              "scan(body, completions, tokens_as_ids) -> tuple | None\n\n"
              "The recorded fields of a whole answer or of one stream chunk, or None where the\n"
              "body is not exactly the expected shape (decode it the slow way).\n\n"
-             "Returns (prompt_ids, model, usage, error, choices): token arrays are bytearrays\n"
+             "Returns (prompt_ids, model, usage, error, choices, recorded): token arrays are bytearrays\n"
              "of native int32 (ids), float32 (logprobs), int64 (top-k counts and ids) and\n"
              "float64 (top-k values), or None where absent. model, usage, text,\n"
              "finish_reason and stop_reason are None (null or absent), a str (a string\n"
@@ -978,7 +1008,9 @@ PyDoc_STRVAR(scan_doc,
              "message and delta are offsets, or None. `choices` is None when the body had\n"
              "none (absent or null), else a list of (index, token_ids, prompt_token_ids,\n"
              "logprobs, top_counts, top_ids, top_values, message, delta, text,\n"
-             "finish_reason, stop_reason).");
+             "finish_reason, stop_reason). Last, `recorded`: the (start, end, kind) of every\n"
+             "non-null value a client that did not ask for it must not see: kind 0 for\n"
+             "prompt_token_ids and token_ids, 1 for a choice's logprobs.");
 
 static PyObject *scan(PyObject *module, PyObject *args) {
     (void)module;
@@ -986,7 +1018,7 @@ static PyObject *scan(PyObject *module, PyObject *args) {
     int completions, tokens_as_ids;
     if (!PyArg_ParseTuple(args, "y*pp:scan", &view, &completions, &tokens_as_ids)) return NULL;
     Mode mode = {completions, tokens_as_ids};
-    Scanner s = {view.buf, view.buf, (const unsigned char *)view.buf + view.len};
+    Scanner s = {view.buf, view.buf, (const unsigned char *)view.buf + view.len, PyList_New(0)};
     Answer a;
     memset(&a, 0, sizeof a);
     a.model.start = a.usage.start = a.error.start = -1;
@@ -995,7 +1027,7 @@ static PyObject *scan(PyObject *module, PyObject *args) {
     indices.count = 0;
     indices.bitmap = NULL;
     PyObject *result = NULL;
-    if (a.choices == NULL) goto done;
+    if (a.choices == NULL || s.recorded == NULL) goto done;
     int r = answer(&s, &a, &mode, &indices);
     if (r == ERROR) goto done;
     if (r == MISFIT) {
@@ -1003,13 +1035,14 @@ static PyObject *scan(PyObject *module, PyObject *args) {
         goto done;
     }
     PyObject *choices = a.has_choices ? Py_NewRef(a.choices) : Py_NewRef(Py_None);
-    result = Py_BuildValue("(NNNNN)", buf_take(&a.prompt, a.has_prompt),
+    result = Py_BuildValue("(NNNNNO)", buf_take(&a.prompt, a.has_prompt),
                            value_object(s.start, &a.model), value_object(s.start, &a.usage),
-                           span_object(&a.error), choices);
+                           span_object(&a.error), choices, s.recorded);
 done:
     PyMem_Free(indices.bitmap);
     buf_free(&a.prompt);
     Py_XDECREF(a.choices);
+    Py_XDECREF(s.recorded);
     PyBuffer_Release(&view);
     return result;
 }

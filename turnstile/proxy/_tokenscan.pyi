@@ -13,6 +13,7 @@ def scan(
         tuple[int, int] | None,
         tuple[int, int] | None,
         list[tuple[Any, ...]] | None,
+        list[tuple[int, int, int]],
     ]
     | None
 ): ...

@@ -56,7 +56,7 @@ from turnstile.proxy.capture import validate_request as validate
 from turnstile.proxy.retries import Answer, AnswerCache, answer_key, is_retry
 from turnstile.proxy.rollouts import Rollout, RolloutRegistry
 from turnstile.proxy.sse import DONE, SSEError, SSEEvent, SSEParser, encode_data
-from turnstile.proxy.tokens import read_answer, scan_chunk
+from turnstile.proxy.tokens import read_answer, scan, scan_chunk
 from turnstile.records import RolloutStatus, Timings, TokenSource, TurnRecord, TurnStatus
 
 log = logging.getLogger("turnstile.proxy")
@@ -359,10 +359,16 @@ class Proxy:
         call.t_first = time.perf_counter()
         body = None
         plan = call.plan
+        stripped: bytes | None = None
         try:
+            completions = plan.endpoint != CHAT
             if not plan.needs_strip:  # the bytes go out unchanged: read what is recorded
                 # None for unexpected shapes: the full decode below tells what is wrong
-                body = read_answer(raw, plan.endpoint != CHAT, plan.tokens_as_ids)
+                body = read_answer(raw, completions, plan.tokens_as_ids)
+            else:  # what the client did not ask for is spliced out of the scanned bytes
+                body = scan(raw, completions, plan.tokens_as_ids)
+                if body is not None:
+                    stripped = body.strip(raw, plan.client_token_ids, plan.client_logprobs)
             if body is not None:
                 capture.add_answer(body)
             else:
@@ -378,7 +384,9 @@ class Proxy:
         except BackendError as err:  # recorded as an error turn; the client gets a 502
             self._finish(call, capture, TurnStatus.ERROR, err.message, err.status)
             raise
-        if body is None and call.plan.needs_strip:
+        if stripped is not None:
+            raw = stripped
+        elif body is None and call.plan.needs_strip:
             call.plan.strip(obj)
             raw = orjson.dumps(obj)
         content_type = resp.headers.get("Content-Type", _JSON)

@@ -48,6 +48,9 @@ _TOKEN_ID_PREFIX = "token_id:"
 # Digits a "token_id:N" may have: int32 ids have at most 10.
 _MAX_ID_DIGITS = 10
 _SPAN_DECODER = msgspec.json.Decoder()
+# The kinds of recorded values `_tokenscan.scan` locates (`AnswerTokens.strip`).
+RECORDED_IDS = 0
+RECORDED_LOGPROBS = 1
 # A stream chunk of one token (~300 bytes) decodes as fast with orjson as with the scanner,
 # whose Python around it then costs more (3.4 vs 2.6 us a chunk, measured); chunks with a
 # prompt's ids (the first) or many tokens are several times faster scanned.
@@ -80,6 +83,28 @@ class AnswerTokens:
     model: Any
     usage: Any
     choices: list[ChoiceTokens]
+    # Where the body holds the recorded values (scanned answers only; see `strip`).
+    recorded: list[tuple[int, int, int]] | None = None
+
+    def strip(self, body: bytes, token_ids: bool, logprobs: bool) -> bytes | None:
+        """`body` with the recorded values the client did not ask for written as `null`,
+        as vLLM writes fields it was not asked for; everything else byte for byte. None
+        where the answer was not scanned (then decode and strip it whole)."""
+        if self.recorded is None:
+            return None
+        view = memoryview(body)
+        out: list[bytes | memoryview] = []
+        pos = 0
+        for start, end, kind in self.recorded:
+            if (kind == RECORDED_IDS and not token_ids) or (
+                kind == RECORDED_LOGPROBS and not logprobs
+            ):
+                out += [view[pos:start], b"null"]
+                pos = end
+        if not out:
+            return body
+        out.append(view[pos:])
+        return b"".join(out)
 
 
 def logprob_value(value: Any) -> float:
@@ -125,7 +150,7 @@ def scan(body: bytes, completions: bool, tokens_as_ids: bool) -> AnswerTokens | 
     found = _tokenscan.scan(body, completions, tokens_as_ids)
     if found is None:
         return None
-    prompt, model, usage, _error, choices = found
+    prompt, model, usage, _error, choices, recorded = found
     view = memoryview(body)
     try:
         return AnswerTokens(
@@ -133,6 +158,7 @@ def scan(body: bytes, completions: bool, tokens_as_ids: bool) -> AnswerTokens | 
             model=_span(view, model),
             usage=_span(view, usage),
             choices=[_scanned_choice(view, c) for c in choices or ()],
+            recorded=recorded,
         )
     except msgspec.DecodeError:  # pragma: no cover - the scanner validated every span
         return None
@@ -158,6 +184,7 @@ class ScannedChunk:
     usage: tuple[int, int] | None
     error: tuple[int, int] | None
     choices: list[tuple[Any, ...]] | None
+    recorded: list[tuple[int, int, int]]
 
     def value(self, span: str | tuple[int, int] | None) -> Any:
         """The JSON value at `span` (None where absent)."""
