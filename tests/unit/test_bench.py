@@ -454,3 +454,15 @@ def test_long_context_scenarios_report_cpu_by_prompt_length() -> None:
     writer = report["writer_by_prompt_tokens"]
     assert set(writer) == {"2000", "6000"}
     assert writer["6000"]["prompt_tokens"] == 6000 and writer["6000"]["shard_write_us_per_row"] > 0
+
+
+def test_decode_bench_times_every_way_of_reading_an_answer() -> None:
+    from turnstile.bench import decode
+
+    result = decode.measure(prompt_tokens=50, completion_tokens=10, runs=3)
+    names = {"msgspec", "pyarrow", "orjson", "strip-orjson"}
+    if result["compiled"]:
+        names |= {"scan", "strip-scan"}
+    assert set(result["us"]) == names
+    assert all(v["median"] > 0 and v["min"] <= v["median"] for v in result["us"].values())
+    assert result["body_bytes"] > 0
