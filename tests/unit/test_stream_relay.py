@@ -1,15 +1,18 @@
-"""How a stream's events go out: the first at once, the rest of each read in one send.
+"""How answers go out and are read: the first event of a stream at once, the rest of each
+read in one send; whole answers by the compiled scanner where it is built.
 
-The backend here delivers several events in one read (as a fast engine's first read
-does); the proxy must hand the first event to the client before it decodes the others,
-and every later read's events as one piece, while recording all of them.
+The stream backend here delivers several events in one read (as a fast engine's first
+read does); the proxy must hand the first event to the client before it decodes the
+others, and every later read's events as one piece, while recording all of them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import orjson
+import pytest
 
 from tests.fakes_sink import InMemorySink
 from turnstile.backends.fake import (
@@ -21,9 +24,11 @@ from turnstile.backends.fake import (
     logprob_entry,
     sse_event,
 )
+from turnstile.bench.backend import Corpus, Shape
 from turnstile.output.recorder import Recorder
+from turnstile.proxy import tokens
 from turnstile.proxy.capture import CHAT
-from turnstile.proxy.core import Proxy, StreamRelay
+from turnstile.proxy.core import Proxy, Relay, StreamRelay
 
 PROMPT = list(range(100_000, 100_400))  # a first chunk large enough to be scanned
 IDS = [7, 8, 9, 10, 11]
@@ -80,3 +85,49 @@ async def test_the_first_event_goes_out_alone_then_each_read_in_one_send() -> No
     assert turn.prompt_token_ids.tolist() == PROMPT
     assert turn.completion_token_ids.tolist() == IDS
     assert turn.behavior_logprobs.tolist() == [-0.5 * i for i in range(len(IDS))]
+
+
+@pytest.mark.skipif(not tokens.COMPILED, reason="the extension is not built")
+@pytest.mark.parametrize("client_fields", [True, False])
+async def test_whole_answers_are_read_by_the_compiled_scanner(
+    monkeypatch: pytest.MonkeyPatch, client_fields: bool
+) -> None:
+    """The proxy reads whole answers with the extension when it is built: for a client that
+    asked for the recorded fields and for one that did not (then they are spliced out)."""
+    calls: list[int] = []
+    assert tokens._tokenscan is not None
+    real = tokens._tokenscan.scan
+
+    class Counting:
+        @staticmethod
+        def scan(body: bytes, completions: bool, as_ids: bool) -> Any:
+            calls.append(len(body))
+            return real(body, completions, as_ids)
+
+    monkeypatch.setattr(tokens, "_tokenscan", Counting)
+    corpus = Corpus(300, 20)
+    raw = corpus.answer(Shape(False, True, True, 0, False))
+    assert isinstance(raw, bytes)
+    body = raw[raw.index(b"\r\n\r\n") + 4 :]
+    proxy = Proxy(
+        _Reads([body]),
+        Recorder(InMemorySink(), max_backlog=100),
+        top_logprobs=0,
+        policy_version=0,
+        idle_timeout_s=60.0,
+    )
+    request: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}]}
+    if client_fields:
+        request |= {"logprobs": True, "return_token_ids": True}
+    relay = await proxy.complete(CHAT, orjson.dumps(request), rollout_id="w")
+    assert isinstance(relay, Relay)
+    assert calls == [len(body)]
+    sent = orjson.loads(relay.body)
+    if client_fields:
+        assert relay.body == body  # forwarded untouched
+    else:
+        assert sent["prompt_token_ids"] is None and sent["choices"][0]["logprobs"] is None
+        assert sent["choices"][0]["message"] == orjson.loads(body)["choices"][0]["message"]
+    (turn,) = proxy.registry.get("w").turns
+    assert turn.prompt_token_ids.tolist() == corpus.prompt_ids
+    assert turn.completion_token_ids.tolist() == corpus.ids
