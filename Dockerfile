@@ -8,7 +8,10 @@ ARG PYTHON_IMAGE=python:3.12-slim
 FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
-COPY pyproject.toml README.md ./
+# A C compiler for turnstile.proxy._tokenscan (without one the wheel decodes in Python).
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+COPY pyproject.toml setup.py README.md ./
 COPY turnstile ./turnstile
 # Wheels of Turnstile and its dependencies (S3 is built into pyarrow; the extra adds
 # fsspec for other object stores).

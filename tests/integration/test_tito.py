@@ -9,20 +9,23 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
+import orjson
 import pytest
 
 from tests.live import LiveServer
+from turnstile.backends.fake import FakeResponse
 from turnstile.dev.drift import TOOLS, SimulatedModel
 from turnstile.dev.llama_cpp_assets import ensure_llama_cpp_assets
 from turnstile.dev.template_corpus import PAIRINGS
 from turnstile.dev.vocab import ensure_vocab_tokenizer, load_tokenizer
 from turnstile.errors import BadRequest
+from turnstile.proxy.sse import encode_data
 from turnstile.server.app import create_app
 from turnstile.settings import SettingsError, load_settings
 from turnstile.tito import TemplateRenderer, TitoBackend, match
@@ -193,7 +196,9 @@ class Tito:
 
 @pytest.fixture
 def tito(tmp_path: Path, live: Callable[[Any], LiveServer]) -> Iterator[Callable[..., Tito]]:
-    def _start(template: str = QWEN25, **overrides: Any) -> Tito:
+    def _start(
+        template: str = QWEN25, sim_cls: type[SimulatedModel] = SimulatedModel, **overrides: Any
+    ) -> Tito:
         tokenizer_dir = _tokenizer_dir(template)
         path = ensure_llama_cpp_assets(log=lambda _: None) / "templates" / template
         hf = load_tokenizer(tokenizer_dir)
@@ -210,7 +215,7 @@ def tito(tmp_path: Path, live: Callable[[Any], LiveServer]) -> Iterator[Callable
             environ={},
         )
         text = path.read_text()
-        sim = SimulatedModel(TemplateRenderer(hf, text), parser_for_template(text))
+        sim = sim_cls(TemplateRenderer(hf, text), parser_for_template(text))
         app = create_app(settings, backend=sim)
         engine = app.state.tito
         sim.renderer = TemplateRenderer(
@@ -281,6 +286,66 @@ def test_tito_tool_turns_stitch_into_one_exact_sample(tito: Callable[..., Tito])
     )
     stats = httpx.get(f"{t.server.url}/stats").json()
     assert stats["mode"] == "tito" and stats["tito"]["extended"] == 1
+
+
+FAKE_ECHO = [9, 9, 9]
+
+
+class _WrongEcho(SimulatedModel):
+    """Echoes a prompt other than the one it was sent (as a backend that cut it would)."""
+
+    async def request(
+        self, method: str, path: str, body: bytes | None, headers: Mapping[str, str]
+    ) -> FakeResponse:
+        resp = await super().request(method, path, body, headers)
+        if path != "/v1/completions":
+            return resp
+        out = []
+        for piece in resp.body:
+            if piece.startswith(b"data: {"):
+                out.append(encode_data(self._rewrite(piece[6:].strip())))
+            elif piece.startswith(b"{"):
+                out.append(self._rewrite(piece))
+            else:
+                out.append(piece)
+        resp.body = out
+        return resp
+
+    @staticmethod
+    def _rewrite(raw: bytes) -> bytes:
+        obj = orjson.loads(raw)
+        for choice in obj.get("choices") or ():
+            if choice.get("prompt_token_ids") is not None:
+                choice["prompt_token_ids"] = FAKE_ECHO
+        return orjson.dumps(obj)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("truncate", [False, True])
+def test_tito_records_the_prompt_it_sent_not_the_echo(
+    tito: Callable[..., Tito], stream: bool, truncate: bool
+) -> None:
+    """The backend's echo of the prompt ids is not read: TITO sent them. Only where the
+    backend may have cut the prompt (`truncate_prompt_tokens`) is the echo what counts."""
+    t = tito(sim_cls=_WrongEcho)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "hello"}]
+    t.plan(messages, {"role": "assistant", "content": "Hi."}, None)
+    extra = {"return_token_ids": True, **({"truncate_prompt_tokens": 4096} if truncate else {})}
+    client = t.client("echo")
+    if stream:
+        chunks = list(
+            client.chat.completions.create(
+                model="m", messages=messages, stream=True, extra_body=extra
+            )
+        )
+        answered = chunks[0].model_extra["prompt_token_ids"]
+    else:
+        r = client.chat.completions.create(model="m", messages=messages, extra_body=extra)
+        answered = r.model_extra["prompt_token_ids"]
+    expected = FAKE_ECHO if truncate else t.sim.prompts[0]
+    assert answered == expected
+    _, turns = _finish_and_read(t, "echo")
+    assert turns[0]["prompt_token_ids"] == expected
 
 
 def test_tito_rewrite_splits_with_lineage(tito: Callable[..., Tito]) -> None:

@@ -431,3 +431,38 @@ def test_bench_without_nginx_skips_it_and_says_so(monkeypatch: pytest.MonkeyPatc
     assert report["targets"] == ["direct"]
     assert [s["name"] for s in report["scenarios"]] == ["nonstream-c1", "stream-c1"]
     assert all(list(s["targets"]) == ["direct"] for s in report["scenarios"])
+
+
+def test_long_context_scenarios_report_cpu_by_prompt_length() -> None:
+    cfg = BenchConfig(
+        rounds=1,
+        duration_s=0.3,
+        concurrency=[1],
+        paced_streams=0,
+        targets=["direct", "turnstile", "turnstile-2w"],
+        long_context=[6000],
+    )
+    report = run_bench(cfg, progress=False)
+    names = [s["name"] for s in report["scenarios"]]
+    assert names == ["nonstream-c1", "stream-c1", "long6000-nonstream-c1", "long6000-stream-c1"]
+    long_sc = report["scenarios"][2]
+    assert long_sc["prompt_tokens"] == 6000
+    assert list(long_sc["targets"]) == ["direct", "turnstile"]  # no 2-worker figures there
+    assert long_sc["targets"]["turnstile"]["summary"]["errors"]["max"] == 0
+    by_length = report["derived"]["cpu_us_per_req_c1_nonstream_turnstile_by_prompt_tokens"]
+    assert set(by_length) == {"default", "6000"} and by_length["6000"] > 0
+    writer = report["writer_by_prompt_tokens"]
+    assert set(writer) == {"2000", "6000"}
+    assert writer["6000"]["prompt_tokens"] == 6000 and writer["6000"]["shard_write_us_per_row"] > 0
+
+
+def test_decode_bench_times_every_way_of_reading_an_answer() -> None:
+    from turnstile.bench import decode
+
+    result = decode.measure(prompt_tokens=50, completion_tokens=10, runs=3)
+    names = {"msgspec", "pyarrow", "orjson", "strip-orjson"}
+    if result["compiled"]:
+        names |= {"scan", "strip-scan"}
+    assert set(result["us"]) == names
+    assert all(v["median"] > 0 and v["min"] <= v["median"] for v in result["us"].values())
+    assert result["body_bytes"] > 0

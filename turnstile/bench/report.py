@@ -43,6 +43,19 @@ def derived(results: list[dict[str, Any]]) -> dict[str, Any]:
         out[f"paced_p99_stream_time_{proxy}_over_direct"] = _ratio(
             _median(paced, proxy, "latency_p99_ms"), _median(paced, "direct", "latency_p99_ms")
         )
+    for r in results:  # CPU per request against prompt length (the c=1 scenarios)
+        n = r.get("prompt_tokens")
+        if r["concurrency"] != 1 or r["paced"]:
+            continue
+        kind = "stream" if r["stream"] else "nonstream"
+        length = "default" if n is None else str(n)
+        for proxy in ("nginx", "turnstile"):
+            out.setdefault(f"cpu_us_per_req_c1_{kind}_{proxy}_by_prompt_tokens", {})[length] = (
+                _median(r, proxy, "cpu_us_per_req")
+            )
+        out.setdefault(f"added_p50_ms_c1_{kind}_turnstile_by_prompt_tokens", {})[length] = _diff(
+            _median(r, "turnstile", "latency_p50_ms"), _median(r, "direct", "latency_p50_ms")
+        )
     for r in results:
         if r["paced"] or r["concurrency"] == 1:
             continue
@@ -112,6 +125,15 @@ def format_report(report: dict[str, Any]) -> str:
             f"half {_fmt(soak['rss_second_half_range_mb'][0])}-"
             f"{_fmt(soak['rss_second_half_range_mb'][1])} MiB"
         )
+    writer = report.get("writer_by_prompt_tokens")
+    if writer:
+        lines.append("\nwriter cost per turn, in-process CPU time (turnstile.bench.writer):")
+        for n, w in writer.items():
+            lines.append(
+                f"  {n} prompt + {w['completion_tokens']} completion tokens: journal frame "
+                f"{_fmt(w['journal_encode_us_per_turn'])} us, Parquet row "
+                f"{_fmt(w['shard_write_us_per_row'])} us"
+            )
     lines.append("\nderived (from medians):")
     for key, value in report["derived"].items():
         if isinstance(value, dict):

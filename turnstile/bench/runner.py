@@ -12,6 +12,12 @@ CPU of Turnstile's `ts-writer` and `ts-journal` threads, read per thread from
 /proc/PID/task/TID, is its recording cost. At concurrency 1 every process is pinned to
 one CPU. Medians and (min, max) over rounds are reported, with the machine's CPU model
 and foreign load.
+
+The long-context scenarios (`--long-context 32000,128000`) run the concurrency-1
+scenarios again against backends whose answers carry that many prompt ids (as vLLM
+returns a long agent context on every call), each with its own stack, so that CPU per
+request can be read against prompt length; the writer's cost per turn at those lengths
+(journal frame and Parquet row, `turnstile.bench.writer`) is measured beside them.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import orjson
 from turnstile.bench import descendants, free_port, healthy, stop_group, wait_until
 from turnstile.bench.nginx import Nginx, find_nginx, nginx_version, start_nginx
 from turnstile.bench.report import derived, format_report
+from turnstile.bench.writer import measure as measure_writer
 
 TARGETS: Final[tuple[str, ...]] = ("direct", "nginx", "turnstile", "turnstile-2w")
 # Turnstile targets and their worker processes (`turnstile serve --workers N`).
@@ -62,6 +69,10 @@ PACED_SLOWDOWN_ALLOWED: Final[float] = 4.0
 PACED_STREAMS_PER_WORKER: Final[int] = 1
 # The loadgen's own watchdog fires 5 s past its deadline; the runner waits a bit longer.
 LOADGEN_EXIT_SLACK_S: Final[float] = 15.0
+# Rows per writer measurement of a long-context length: 128k-token turns are ~0.5 MB each.
+LONG_CONTEXT_WRITER_ROWS: Final[int] = 64
+# Worker counts the long-context scenarios compare (the 2-worker figures add nothing there).
+LONG_CONTEXT_TARGETS: Final[frozenset[str]] = frozenset({"direct", "nginx", "turnstile"})
 # After a scenario, time for Turnstile's writer to finish what the last round queued,
 # so the recording cost counts all of it.
 RECORD_SETTLE_S: Final[float] = 0.5
@@ -71,6 +82,7 @@ QUICK: Final[dict[str, Any]] = {
     "concurrency": [1, 32],
     "paced_streams": 32,
     "paced_tokens": 20,
+    "long_context": [],
 }
 
 
@@ -88,6 +100,7 @@ class BenchConfig:
     keep: bool = False
     quick: bool = False
     soak_s: float = 0.0  # after the scenarios: paced streams for this long, RSS sampled
+    long_context: list[int] = field(default_factory=list)  # prompt lengths, c=1 scenarios
 
 
 @dataclass(frozen=True)
@@ -96,6 +109,7 @@ class Scenario:
     stream: bool
     concurrency: int
     paced: bool = False
+    prompt_tokens: int | None = None  # a long-context scenario's prompt length
 
     def events_per_request(self, cfg: BenchConfig) -> int:
         if not self.stream:
@@ -115,7 +129,19 @@ def scenarios(cfg: BenchConfig) -> list[Scenario]:
                 paced=True,
             )
         )
+    for n in cfg.long_context:
+        out += [
+            Scenario(f"long{n}-nonstream-c1", False, 1, prompt_tokens=n),
+            Scenario(f"long{n}-stream-c1", True, 1, prompt_tokens=n),
+        ]
     return out
+
+
+def stack_label(sc: Scenario) -> str:
+    """The stack a scenario runs against (`start_stacks` names them so)."""
+    if sc.prompt_tokens is not None:
+        return f"long{sc.prompt_tokens}"
+    return "paced" if sc.paced else "main"
 
 
 # -- /proc ------------------------------------------------------------------------------
@@ -302,15 +328,16 @@ def stop_stacks(stacks: list[Stack]) -> None:
 
 
 def start_stacks(
-    specs: list[tuple[str, float]],
+    specs: list[tuple[str, float, int]],
     cfg: BenchConfig,
     workdir: Path,
     nginx_bin: str | None,
     stacks: list[Stack],
 ) -> None:
-    """Start one stack per (label, tokens/s) spec (0: back to back), appending to `stacks`
-    as each backend starts so that the caller's `finally` can stop whatever did."""
-    for label, rate in specs:
+    """Start one stack per (label, tokens/s, prompt tokens) spec (tokens/s 0: back to back),
+    appending to `stacks` as each backend starts so that the caller's `finally` can stop
+    whatever did."""
+    for label, rate, prompt_tokens in specs:
         tokens = cfg.paced_tokens if rate else cfg.completion_tokens
         port = free_port()
         args = [
@@ -319,7 +346,7 @@ def start_stacks(
             "--port",
             str(port),
             "--prompt-tokens",
-            str(cfg.prompt_tokens),
+            str(prompt_tokens),
             "--completion-tokens",
             str(tokens),
             "--tokens-per-s",
@@ -335,6 +362,8 @@ def start_stacks(
             )
         for target, workers in TURNSTILE_WORKERS.items():
             if target not in cfg.targets:
+                continue
+            if stack.label.startswith("long") and target not in LONG_CONTEXT_TARGETS:
                 continue
             port = free_port()
             name = f"{target}-{stack.label}"
@@ -534,6 +563,8 @@ def resolve_config(cfg: BenchConfig) -> BenchConfig:
         raise ValueError("rounds, duration and concurrency must be positive")
     if cfg.paced_rate <= 0 or cfg.paced_tokens < 1 or cfg.completion_tokens < 1:
         raise ValueError("paced rate and token counts must be positive")
+    if any(n < 1 for n in cfg.long_context):
+        raise ValueError("long-context prompt lengths must be positive")
     cfg.targets = [t for t in TARGETS if t in cfg.targets]
     return cfg
 
@@ -630,20 +661,25 @@ def run_bench(
     soak: dict[str, Any] | None = None
     old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        specs = [("main", 0.0)]
+        specs = [("main", 0.0, cfg.prompt_tokens)]
         if cfg.paced_streams > 0:
-            specs.append(("paced", cfg.paced_rate))
+            specs.append(("paced", cfg.paced_rate, cfg.prompt_tokens))
+        specs += [(f"long{n}", 0.0, n) for n in cfg.long_context]
         start_stacks(specs, cfg, workdir, nginx_bin, stacks)
+        by_label = {stack.label: stack for stack in stacks}
         results = []
         for sc in scenarios(cfg):
-            stack = stacks[1] if sc.paced else stacks[0]
+            stack = by_label[stack_label(sc)]
+            sc_targets = targets
+            if sc.prompt_tokens is not None:
+                sc_targets = [t for t in targets if t in LONG_CONTEXT_TARGETS]
             if progress:
                 print(
-                    f"{sc.name}: {cfg.rounds} rounds x {', '.join(targets)}",
+                    f"{sc.name}: {cfg.rounds} rounds x {', '.join(sc_targets)}",
                     file=sys.stderr,
                     flush=True,
                 )
-            results.append(run_scenario(stack, sc, cfg, targets, workdir, progress))
+            results.append(run_scenario(stack, sc, cfg, sc_targets, workdir, progress))
         if cfg.soak_s > 0 and "turnstile" in targets:
             if progress:
                 print(
@@ -651,7 +687,7 @@ def run_bench(
                     file=sys.stderr,
                     flush=True,
                 )
-            soak = run_soak(stacks[-1], cfg, workdir)
+            soak = run_soak(by_label["paced" if cfg.paced_streams > 0 else "main"], cfg, workdir)
     finally:
         stop_stacks(stacks)
         signal.signal(signal.SIGTERM, old_term)
@@ -659,6 +695,14 @@ def run_bench(
             print(f"kept: {workdir}", file=sys.stderr)
         else:
             shutil.rmtree(workdir, ignore_errors=True)
+    writer = None
+    if cfg.long_context:
+        if progress:
+            print("writer cost per turn at the long-context lengths", file=sys.stderr, flush=True)
+        writer = {
+            str(n): asdict(measure_writer(LONG_CONTEXT_WRITER_ROWS, n, cfg.completion_tokens))
+            for n in [cfg.prompt_tokens, *cfg.long_context]
+        }
     with contextlib.suppress(OSError):
         machine["loadavg_after"] = Path("/proc/loadavg").read_text().strip()
     report = {
@@ -669,6 +713,7 @@ def run_bench(
         "scenarios": results,
         "derived": derived(results),
         "soak": soak,
+        "writer_by_prompt_tokens": writer,
         "elapsed_s": round(time.monotonic() - started, 2),
         "workdir": str(workdir) if cfg.keep else None,
     }

@@ -70,6 +70,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "resident memory sampled (e.g. 600)",
     )
     p.add_argument(
+        "--long-context",
+        type=_int_list,
+        default=[32000, 128000],
+        metavar="N,N,...",
+        help="prompt lengths of the long-context scenarios (concurrency 1, streaming and "
+        "not; default 32000,128000; 0 for none; --quick runs none)",
+    )
+    p.add_argument(
         "--quick",
         action="store_true",
         help="2 rounds of 1 s, concurrency 1 and 32, paced 32 streams x 20 tokens",
@@ -94,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
         keep=args.keep,
         quick=args.quick,
         soak_s=args.soak,
+        long_context=[n for n in args.long_context if n != 0],
     )
     try:
         run_bench(cfg, args.json)

@@ -87,7 +87,7 @@ class PolicyVersionSet:
 
 
 # --- container -------------------------------------------------------------------------
-def _pack(header: dict[str, Any], blocks: list[bytes]) -> bytes:
+def _pack(header: dict[str, Any], blocks: list[bytes | memoryview]) -> bytes:
     header["_b"] = [len(b) for b in blocks]
     try:
         head = json_text(header).encode("utf-8")
@@ -132,12 +132,14 @@ def _array(block: memoryview, dtype: np.dtype[Any]) -> npt.NDArray[Any]:
     return np.frombuffer(block, dtype=dtype).astype(dtype.newbyteorder("="))
 
 
-def _raw(values: npt.NDArray[Any], dtype: np.dtype[Any], name: str) -> bytes:
+def _raw(values: npt.NDArray[Any], dtype: np.dtype[Any], name: str) -> memoryview:
+    """The bytes of an array, without a copy where it already has `dtype` (the token
+    arrays of a turn do: the frame is joined straight from them)."""
     if values.ndim != 1:
         raise CodecError(f"{name} must be one-dimensional, not {values.shape}")
     if not np.can_cast(values.dtype, dtype, casting="safe"):
         raise CodecError(f"{name} has dtype {values.dtype}; it must cast safely to {dtype}")
-    return np.ascontiguousarray(values, dtype=dtype).tobytes()
+    return np.ascontiguousarray(values, dtype=dtype).data.cast("B")
 
 
 def _floats(values: list[float]) -> bytes:
@@ -222,7 +224,7 @@ def encode_turn(record: TurnRecord) -> bytes:
     if record.backend_failover_from is not None:
         header["backend_failover_from"] = record.backend_failover_from
     ttft = 0.0 if t.ttft_s is None else t.ttft_s
-    blocks = [
+    blocks: list[bytes | memoryview] = [
         _raw(record.prompt_token_ids, _I32, "prompt_token_ids"),
         _raw(record.completion_token_ids, _I32, "completion_token_ids"),
         _raw(record.behavior_logprobs, _F32, "behavior_logprobs"),

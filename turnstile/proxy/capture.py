@@ -15,7 +15,6 @@ and `token_ids`, and `logprobs.{tokens, token_logprobs, top_logprobs}`.
 from __future__ import annotations
 
 import array
-import math
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -23,7 +22,7 @@ import numpy as np
 
 from turnstile.errors import BackendValueError, Unprocessable
 from turnstile.limits import MAX_CHOICE_INDEX, MAX_TOKEN_ID
-from turnstile.proxy import sparse
+from turnstile.proxy.tokens import AnswerTokens, ScannedChunk, logprob_value, top_token_id
 from turnstile.records import Float32Array, Int32Array
 
 CHAT = "chat.completions"
@@ -56,15 +55,12 @@ SAMPLING_FIELDS = (
     "reasoning_effort",
 )
 
-_TOKEN_ID_PREFIX = "token_id:"
 # The array type code of a C unsigned 32-bit int (``I`` where it is 4 bytes, as on every
 # platform Turnstile runs on; ``L`` otherwise).
 _UINT32 = "I" if array.array("I").itemsize == 4 else "L"
 # Up to this many ids are checked one by one; longer lists (whole answers, prompts) with
 # numpy, which costs a few microseconds to start but little per id.
 _SMALL_ID_LIST = 16
-# Digits a "token_id:N" may have: int32 ids have at most 10.
-_MAX_ID_DIGITS = 10
 
 
 @dataclass(slots=True)
@@ -179,29 +175,6 @@ def validate_request(endpoint: str, body: Any) -> dict[str, Any]:
     return body
 
 
-def _token_id(token: Any) -> int | None:
-    if isinstance(token, str) and token.startswith(_TOKEN_ID_PREFIX):
-        digits = token[len(_TOKEN_ID_PREFIX) :]
-        if not digits.isascii() or not digits.isdigit():
-            return None
-        if len(digits) > _MAX_ID_DIGITS or int(digits) > MAX_TOKEN_ID:
-            raise BackendValueError(
-                f"the backend sent top-logprob token id {digits[:24]}: beyond int32"
-            )
-        return int(digits)
-    return None
-
-
-def _float(value: Any) -> float:
-    """A logprob: a finite number, or NaN where none was given."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return math.nan
-    result = float(value)
-    if math.isinf(result):
-        raise BackendValueError(f"the backend sent a logprob of {result}: not finite")
-    return result
-
-
 def checked_ids(ids: Any, what: str) -> list[int]:
     """``ids`` when it is a list of token ids within int32 and not negative; else the
     backend's answer cannot be recorded (`BackendValueError`, a 502).
@@ -259,7 +232,7 @@ class ChoiceCapture:
     logprobs: list[float] = field(default_factory=list)
     top_ids: list[list[int]] | None = None
     top_values: list[list[float]] | None = None
-    prompt_token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | Int32Array | None = None
     finish_reason: str | None = None
     stop_reason: str | None = None
     content: list[str] = field(default_factory=list)
@@ -267,6 +240,9 @@ class ChoiceCapture:
     tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
     role: str = "assistant"
     saw_token_ids: bool = False
+    # A whole answer's arrays (`ResponseCapture.add_answer`); streams fill the lists above.
+    id_array: Int32Array | None = None
+    logprob_array: Float32Array | None = None
 
     # -- chat --------------------------------------------------------------------
     def add_chat_logprobs(self, logprobs: Any, tokens_as_ids: bool) -> None:
@@ -275,39 +251,19 @@ class ChoiceCapture:
         for entry in logprobs.get("content") or ():
             if not isinstance(entry, dict):
                 continue
-            self.logprobs.append(_float(entry.get("logprob")))
+            self.logprobs.append(logprob_value(entry.get("logprob")))
             tops = entry.get("top_logprobs")
             if tokens_as_ids and isinstance(tops, list) and tops:
                 if self.top_ids is None or self.top_values is None:
                     self.top_ids, self.top_values = [], []
                 ids, values = [], []
                 for top in tops:
-                    tid = _token_id(top.get("token")) if isinstance(top, dict) else None
+                    tid = top_token_id(top.get("token")) if isinstance(top, dict) else None
                     if tid is not None:
                         ids.append(tid)
-                        values.append(_float(top.get("logprob")))
+                        values.append(logprob_value(top.get("logprob")))
                 self.top_ids.append(ids)
                 self.top_values.append(values)
-
-    def add_chat_entries(self, entries: list[sparse.TokenEntry], tokens_as_ids: bool) -> None:
-        """`add_chat_logprobs` for a sparsely decoded whole response."""
-        self.logprobs.extend(_float(e.logprob) for e in entries)
-        if not tokens_as_ids:
-            return
-        for entry in entries:
-            tops = entry.top_logprobs
-            if not tops:
-                continue
-            if self.top_ids is None or self.top_values is None:
-                self.top_ids, self.top_values = [], []
-            ids, values = [], []
-            for top in tops:
-                tid = _token_id(top.token)
-                if tid is not None:
-                    ids.append(tid)
-                    values.append(_float(top.logprob))
-            self.top_ids.append(ids)
-            self.top_values.append(values)
 
     def add_chat_message(self, message: Any, delta: bool) -> None:
         if not isinstance(message, dict):
@@ -343,7 +299,7 @@ class ChoiceCapture:
         if not isinstance(logprobs, dict):
             return
         values = logprobs.get("token_logprobs") or ()
-        self.logprobs.extend(_float(v) for v in values)
+        self.logprobs.extend(logprob_value(v) for v in values)
         tops = logprobs.get("top_logprobs")
         if tokens_as_ids and isinstance(tops, list):
             if self.top_ids is None or self.top_values is None:
@@ -352,10 +308,10 @@ class ChoiceCapture:
                 ids, vals = [], []
                 if isinstance(top, dict):
                     for tok, lp in top.items():
-                        tid = _token_id(tok)
+                        tid = top_token_id(tok)
                         if tid is not None:
                             ids.append(tid)
-                            vals.append(_float(lp))
+                            vals.append(logprob_value(lp))
                 self.top_ids.append(ids)
                 self.top_values.append(vals)
 
@@ -378,8 +334,10 @@ class ChoiceCapture:
     # -- results ------------------------------------------------------------------------
     def completion_arrays(self, echo: bool = False) -> tuple[Int32Array, Float32Array]:
         """Token IDs and one behaviour logprob per token (NaN where none was given)."""
-        ids = np.asarray(self.token_ids, dtype=np.int32)
-        lps = self.logprobs
+        ids = self.id_array if self.id_array is not None else np.asarray(self.token_ids, np.int32)
+        lps: list[float] | Float32Array = self.logprobs
+        if self.logprob_array is not None:
+            lps = self.logprob_array
         if echo and len(lps) > len(ids):
             lps = lps[len(lps) - len(ids) :]
         if len(lps) == len(ids):
@@ -419,7 +377,7 @@ class ResponseCapture:
     def __init__(self, plan: CapturePlan) -> None:
         self.plan = plan
         self.choices: dict[int, ChoiceCapture] = {}
-        self.prompt_token_ids: list[int] | None = None
+        self.prompt_token_ids: list[int] | Int32Array | None = None
         self.model: str | None = None
         self.usage: dict[str, Any] | None = None
 
@@ -469,20 +427,60 @@ class ResponseCapture:
             else:
                 cap.add_completion_logprobs(choice.get("logprobs"), plan.tokens_as_ids)
 
-    def add_sparse(self, body: sparse.Body) -> None:
-        """`add` for a whole response decoded by `turnstile.proxy.sparse`."""
-        if isinstance(body.model, str):
-            self.model = body.model
-        if body.prompt_token_ids is not None:  # bounded by the sparse decoder
-            self.prompt_token_ids = body.prompt_token_ids
-        if isinstance(body.usage, dict):
-            self.usage = body.usage
+    def add_scanned_chunk(self, chunk: ScannedChunk) -> None:
+        """`add(obj, chunk=True)` for a stream chunk read by the compiled scanner: the
+        same values, without decoding the chunk into Python objects."""
+        model = chunk.model
+        if model is not None and isinstance(model := chunk.value(model), str):
+            self.model = model
+        if chunk.prompt_token_ids is not None:  # bounded as it was read
+            self.prompt_token_ids = np.frombuffer(chunk.prompt_token_ids, dtype=np.int32)
+        if chunk.usage is not None and isinstance(usage := chunk.value(chunk.usage), dict):
+            self.usage = usage
         chat = self.plan.endpoint == CHAT
-        as_ids = self.plan.tokens_as_ids
-        for choice in body.choices or ():
+        for found in chunk.choices or ():
+            index, ids, prompt, lps, counts, top_ids, top_values = found[:7]
+            _message, delta, text, finish, stop = found[7:]
+            cap = self._choice(index)
+            if ids is not None:
+                cap.token_ids.extend(memoryview(ids).cast("i"))
+                cap.saw_token_ids = True
+            if prompt is not None:
+                cap.prompt_token_ids = np.frombuffer(prompt, dtype=np.int32)
+            if finish is not None and (reason := chunk.value(finish)) is not None:
+                cap.finish_reason = str(reason)
+            if stop is not None and (reason := chunk.value(stop)) is not None:
+                cap.stop_reason = str(reason)
+            if text is not None and isinstance(piece := chunk.value(text), str):
+                cap.content.append(piece)
+            if chat and delta is not None:
+                cap.add_chat_message(chunk.value(delta), True)
+            if lps is not None:
+                cap.logprobs.extend(memoryview(lps).cast("f"))
+            if counts is not None:
+                if cap.top_ids is None or cap.top_values is None:
+                    cap.top_ids, cap.top_values = [], []
+                flat_ids = np.frombuffer(top_ids, dtype=np.int64).tolist()
+                flat_values = np.frombuffer(top_values, dtype=np.float64).tolist()
+                start = 0
+                for n in memoryview(counts).cast("q"):
+                    cap.top_ids.append(flat_ids[start : start + n])
+                    cap.top_values.append(flat_values[start : start + n])
+                    start += n
+
+    def add_answer(self, answer: AnswerTokens) -> None:
+        """`add` for a whole response read by `turnstile.proxy.tokens.read_answer`."""
+        if isinstance(answer.model, str):
+            self.model = answer.model
+        if answer.prompt_token_ids is not None:  # bounded as it was read
+            self.prompt_token_ids = answer.prompt_token_ids
+        if isinstance(answer.usage, dict):
+            self.usage = answer.usage
+        chat = self.plan.endpoint == CHAT
+        for choice in answer.choices:
             cap = self._choice(choice.index)
             if choice.token_ids is not None:
-                cap.token_ids.extend(choice.token_ids)
+                cap.id_array = _joined(cap.id_array, choice.token_ids)
                 cap.saw_token_ids = True
             if choice.prompt_token_ids is not None:
                 cap.prompt_token_ids = choice.prompt_token_ids
@@ -492,16 +490,18 @@ class ResponseCapture:
                 cap.stop_reason = str(choice.stop_reason)
             if isinstance(choice.text, str):
                 cap.content.append(choice.text)
-            lp = choice.logprobs
             if chat:
                 cap.add_chat_message(choice.message, False)
-                if lp is not None and lp.content:
-                    cap.add_chat_entries(lp.content, as_ids)
-            elif lp is not None:
-                cap.add_completion_logprobs(
-                    {"token_logprobs": lp.token_logprobs, "top_logprobs": lp.top_logprobs},
-                    as_ids,
-                )
+            if choice.logprobs is not None:
+                cap.logprob_array = _joined(cap.logprob_array, choice.logprobs)
+            if choice.top_ids is not None and choice.top_values is not None:
+                cap.top_ids = (cap.top_ids or []) + choice.top_ids
+                cap.top_values = (cap.top_values or []) + choice.top_values
 
-    def prompt_ids_for(self, cap: ChoiceCapture) -> list[int] | None:
+    def prompt_ids_for(self, cap: ChoiceCapture) -> list[int] | Int32Array | None:
         return cap.prompt_token_ids if cap.prompt_token_ids is not None else self.prompt_token_ids
+
+
+def _joined(first: Any, second: Any) -> Any:
+    """`second`, after `first` where a body gave one choice index twice."""
+    return second if first is None else np.concatenate([first, second])

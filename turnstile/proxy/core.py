@@ -47,7 +47,6 @@ from turnstile.jsontext import json_text
 from turnstile.limits import MAX_JSON_DEPTH, MAX_OPEN_ROLLOUT_BYTES, MAX_ROLLOUT_BYTES
 from turnstile.output.recorder import Recorder, SealJob
 from turnstile.output.stitch import RolloutInfo
-from turnstile.proxy import sparse
 from turnstile.proxy.admission import Admission
 from turnstile.proxy.capture import (
     CHAT,
@@ -67,6 +66,7 @@ from turnstile.proxy.fencing import (
 from turnstile.proxy.retries import Answer, AnswerCache, answer_key, is_retry
 from turnstile.proxy.rollouts import Rollout, RolloutRegistry
 from turnstile.proxy.sse import DONE, SSEError, SSEEvent, SSEParser, encode_data
+from turnstile.proxy.tokens import read_answer, scan, scan_chunk
 from turnstile.records import RolloutStatus, Timings, TokenSource, TurnRecord, TurnStatus
 
 log = logging.getLogger("turnstile.proxy")
@@ -514,14 +514,19 @@ class Proxy:
             raise Overloaded(reason, retry_after_s=FENCE_RETRY_AFTER_S)
         call.t_first = time.perf_counter()
         body = None
-        if not call.plan.needs_strip:  # the bytes go out unchanged: decode what is recorded
-            try:
-                body = sparse.DECODER.decode(raw)
-            except sparse.DecodeError:
-                body = None  # unexpected shapes: the full decode below tells what is wrong
+        plan = call.plan
+        stripped: bytes | None = None
         try:
+            completions = plan.endpoint != CHAT
+            if not plan.needs_strip:  # the bytes go out unchanged: read what is recorded
+                # None for unexpected shapes: the full decode below tells what is wrong
+                body = read_answer(raw, completions, plan.tokens_as_ids)
+            else:  # what the client did not ask for is spliced out of the scanned bytes
+                body = scan(raw, completions, plan.tokens_as_ids)
+                if body is not None:
+                    stripped = body.strip(raw, plan.client_token_ids, plan.client_logprobs)
             if body is not None:
-                capture.add_sparse(body)
+                capture.add_answer(body)
             else:
                 try:
                     obj = orjson.loads(raw)
@@ -535,7 +540,9 @@ class Proxy:
         except BackendError as err:  # recorded as an error turn; the client gets a 502
             self._finish(call, capture, TurnStatus.ERROR, err.message, err.status)
             raise
-        if body is None and call.plan.needs_strip:
+        if stripped is not None:
+            raw = stripped
+        elif body is None and call.plan.needs_strip:
             call.plan.strip(obj)
             raw = orjson.dumps(obj)
         content_type = resp.headers.get("Content-Type", _JSON)
@@ -554,7 +561,17 @@ class Proxy:
         unrecordable = False  # the backend sent a value no column can hold
         try:
             async for chunk in resp.iter_chunks():
-                piece = events.relay(parser.feed(chunk))
+                ready = parser.feed(chunk)
+                if not events.sent_any and len(ready) > 1:
+                    # The first event goes out before the rest of its read is decoded.
+                    piece = events.relay(ready[:1])
+                    ready = ready[1:]
+                    if piece:
+                        if kept is not None:
+                            kept.append(piece)
+                        yield piece
+                # The events of one read go out together, as one send.
+                piece = events.relay(ready) if not events.saw_done else b""
                 if piece:
                     if kept is not None:
                         kept.append(piece)
@@ -714,7 +731,9 @@ class Proxy:
                     choice_index=index,
                     model=model,
                     token_source=TokenSource.BACKEND if exact else TokenSource.NONE,
-                    prompt_token_ids=np.asarray(prompt or (), dtype=np.int32),
+                    prompt_token_ids=_EMPTY_I32
+                    if prompt is None
+                    else np.asarray(prompt, dtype=np.int32),
                     completion_token_ids=ids,
                     behavior_logprobs=lps,
                     finish_reason=cap.finish_reason,
@@ -752,18 +771,20 @@ async def _passthrough_chunks(resp: BackendResponse) -> AsyncIterator[bytes]:
 class _EventRelay:
     """Records each SSE event of a stream and rewrites it for the client."""
 
-    __slots__ = ("call", "capture", "saw_done", "stream_error")
+    __slots__ = ("call", "capture", "saw_done", "sent_any", "stream_error")
 
     def __init__(self, call: _Call, capture: ResponseCapture) -> None:
         self.call = call
         self.capture = capture
         self.saw_done = False
+        self.sent_any = False  # some bytes of the stream have been handed out
         self.stream_error: str | None = None  # an error event sent by the backend itself
 
     def relay(self, events: list[SSEEvent]) -> bytes:
         """The bytes to send for `events` (stopping at `[DONE]`, which is sent later)."""
         out: list[bytes] = []
         plan, capture = self.call.plan, self.capture
+        chat, as_ids = plan.endpoint == CHAT, plan.tokens_as_ids
         for event in events:
             data = event.data
             if data is None:
@@ -772,6 +793,15 @@ class _EventRelay:
             if data.strip() == DONE:
                 self.saw_done = True
                 break
+            scanned = None if plan.needs_strip else scan_chunk(data, not chat, as_ids)
+            if scanned is not None:  # the bytes go out unchanged: read only what is recorded
+                if scanned.error is not None and not scanned.choices:
+                    self.stream_error = _error_message({"error": scanned.value(scanned.error)})
+                else:
+                    capture.add_scanned_chunk(scanned)
+                    self._note_first_token()
+                out.append(event.raw)
+                continue
             try:
                 obj = orjson.loads(data)
             except orjson.JSONDecodeError as exc:
@@ -787,17 +817,22 @@ class _EventRelay:
                 out.append(event.raw)
                 continue
             capture.add(obj, chunk=True)
-            if self.call.t_first is None and any(
-                c.token_ids or c.content for c in capture.choices.values()
-            ):
-                self.call.t_first = time.perf_counter()
+            self._note_first_token()
             if plan.needs_strip:
                 plan.strip(obj)
                 if not plan.carries_nothing(obj):
                     out.append(encode_data(orjson.dumps(obj)))
             else:
                 out.append(event.raw)
+        if out:
+            self.sent_any = True
         return b"".join(out)
+
+    def _note_first_token(self) -> None:
+        if self.call.t_first is None and any(
+            c.token_ids or c.content for c in self.capture.choices.values()
+        ):
+            self.call.t_first = time.perf_counter()
 
 
 def _stream_type(resp: BackendResponse) -> str:

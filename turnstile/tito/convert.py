@@ -11,6 +11,12 @@ chunks into chat chunks, parsing content, reasoning and tool calls from the samp
 The chat objects keep vLLM 0.32's shapes, including the recording fields (top-level
 `prompt_token_ids`, per-choice `token_ids`, `logprobs.content`), so the proxy records and
 strips them exactly as it does for a backend's own chat answer.
+
+The prompt ids are the ones TITO sent (`known_prompt`): vLLM 0.32 has no switch that
+returns the sampled ids without echoing the prompt's (`return_token_ids` gives both), so
+`decode_completion` reads the backend's answers without the echo, which is skipped
+unparsed. Only where the backend may have cut the prompt (`truncate_prompt_tokens`) is the
+echo read and used (`echo_needed`).
 """
 
 from __future__ import annotations
@@ -20,10 +26,12 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from turnstile.errors import Unprocessable
 from turnstile.tito.parsers import OutputParser, ParsedDelta, ParsedMessage, finish_reason
 
-__all__ = ["ChatAnswer", "ChatStream", "completions_body"]
+__all__ = ["ChatAnswer", "ChatStream", "completions_body", "decode_completion", "echo_needed"]
 
 # Chat request fields that mean the same on /v1/completions and are passed through.
 PASSED_FIELDS = (
@@ -91,6 +99,56 @@ def completions_body(chat: dict[str, Any], prompt_ids: list[int]) -> dict[str, A
     return body
 
 
+def echo_needed(forward: dict[str, Any]) -> bool:
+    """Whether the backend's echo of the prompt ids must be read: only where it may have
+    cut the prompt TITO sent."""
+    return forward.get("truncate_prompt_tokens") is not None
+
+
+class _Choice(msgspec.Struct):
+    """A completions choice: everything TITO converts, not the prompt ids' echo."""
+
+    index: Any = msgspec.UNSET
+    text: Any = msgspec.UNSET
+    logprobs: Any = msgspec.UNSET
+    finish_reason: Any = msgspec.UNSET
+    stop_reason: Any = msgspec.UNSET
+    token_ids: Any = msgspec.UNSET
+
+
+class _Completion(msgspec.Struct):
+    """A completions response or stream chunk, its choices without the echo."""
+
+    id: Any = msgspec.UNSET
+    created: Any = msgspec.UNSET
+    model: Any = msgspec.UNSET
+    choices: list[_Choice] | None = None
+    usage: Any = msgspec.UNSET
+    system_fingerprint: Any = msgspec.UNSET
+    error: Any = msgspec.UNSET
+
+
+_COMPLETION = msgspec.json.Decoder(_Completion)
+_FIELDS = _Completion.__struct_fields__
+_CHOICE_FIELDS = _Choice.__struct_fields__
+
+
+def decode_completion(raw: bytes) -> Any:
+    """A completions response or chunk as `orjson.loads` gives it, less every choice's
+    `prompt_token_ids` (skipped without being decoded), and less the fields TITO does not
+    use; `msgspec.DecodeError` where it is not JSON or not that shape."""
+    found = _COMPLETION.decode(raw)
+    out = {k: v for k in _FIELDS if (v := getattr(found, k)) is not msgspec.UNSET}
+    if found.choices is not None:
+        out["choices"] = [
+            {k: v for k in _CHOICE_FIELDS if (v := getattr(c, k)) is not msgspec.UNSET}
+            for c in found.choices
+        ]
+    elif "choices" in out:
+        del out["choices"]
+    return out
+
+
 def _logprob_entries(logprobs: Any, top_k: int) -> list[dict[str, Any]]:
     """Completions `logprobs` as chat `logprobs.content` entries (sampled token first)."""
     if not isinstance(logprobs, dict):
@@ -126,7 +184,10 @@ class ChatAnswer:
     parser: OutputParser
     top_k: int
 
-    def convert(self, completion: dict[str, Any]) -> tuple[dict[str, Any], ParsedMessage]:
+    def convert(
+        self, completion: dict[str, Any], known_prompt: list[int] | None = None
+    ) -> tuple[dict[str, Any], ParsedMessage]:
+        """The chat answer; its prompt ids are `known_prompt` where given, else the echo."""
         choices = completion.get("choices") or []
         if not choices or not isinstance(choices[0], dict):
             raise ValueError("the completions response has no choices")
@@ -158,7 +219,9 @@ class ChatAnswer:
             "system_fingerprint": completion.get("system_fingerprint"),
             "usage": completion.get("usage"),
             "prompt_logprobs": None,
-            "prompt_token_ids": choice.get("prompt_token_ids"),
+            "prompt_token_ids": (
+                known_prompt if known_prompt is not None else choice.get("prompt_token_ids")
+            ),
         }, parsed
 
 
@@ -175,6 +238,7 @@ class ChatStream:
     finish: str | None = None
     started: bool = False
     called: bool = False
+    known_prompt: list[int] | None = None  # the prompt TITO sent, used instead of the echo
 
     def _chunk(self, src: dict[str, Any], choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -198,7 +262,9 @@ class ChatStream:
         choice = choices[0] if isinstance(choices[0], dict) else {}
         if not self.started:
             self.started = True
-            prompt = choice.get("prompt_token_ids")
+            prompt = self.known_prompt
+            if prompt is None:
+                prompt = choice.get("prompt_token_ids")
             self.prompt_ids = prompt if isinstance(prompt, list) else None
             first = self._chunk(
                 chunk,

@@ -23,13 +23,20 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import msgspec
 import numpy as np
 import orjson
 
 from turnstile.backends.protocol import Backend, BackendResponse
 from turnstile.errors import BackendError, Conflict, Unprocessable
 from turnstile.proxy.sse import DONE, SSEParser, encode_data
-from turnstile.tito.convert import ChatAnswer, ChatStream, completions_body
+from turnstile.tito.convert import (
+    ChatAnswer,
+    ChatStream,
+    completions_body,
+    decode_completion,
+    echo_needed,
+)
 from turnstile.tito.history import TurnState, canonical, match
 from turnstile.tito.parsers import ParserSpec, get_parser, prompt_ends_in_reasoning
 from turnstile.tito.parsers.registry import PLAIN, reasoning_markers
@@ -182,9 +189,10 @@ class TitoEngine:
         )
         if resp.status >= 400:
             return resp
-        turn = _Turn(self, rollout_id, body, prompt)
+        known = None if echo_needed(forward) else prompt
+        turn = _Turn(self, rollout_id, body, prompt, known)
         if forward.get("stream") is True:
-            return _StreamAnswer(resp, turn, ChatStream(parser, top_k))
+            return _StreamAnswer(resp, turn, ChatStream(parser, top_k, known_prompt=known))
         return _WholeAnswer(resp, turn, ChatAnswer(parser, top_k))
 
 
@@ -198,6 +206,17 @@ class _Turn:
     rollout_id: str
     body: Mapping[str, Any]
     prompt: list[int]
+    known_prompt: list[int] | None  # `prompt`, unless the backend may have cut it
+
+    def decode(self, raw: bytes) -> Any:
+        """A completions answer or chunk; the echo of the prompt ids is skipped unread
+        where the prompt is known (else decoded whole)."""
+        if self.known_prompt is not None:
+            try:
+                return decode_completion(raw)
+            except msgspec.DecodeError:
+                pass  # not the expected shape: orjson below says what is wrong
+        return orjson.loads(raw)
 
     def commit(
         self, reply: dict[str, Any], prompt_ids: Any, completion_ids: Any, finish: str | None
@@ -230,8 +249,8 @@ class _WholeAnswer:
     async def read(self) -> bytes:
         raw = await self._resp.read()
         try:
-            obj = orjson.loads(raw)
-            chat, parsed = self._answer.convert(obj)
+            obj = self._turn.decode(raw)
+            chat, parsed = self._answer.convert(obj, self._turn.known_prompt)
         except (orjson.JSONDecodeError, ValueError, TypeError, AttributeError) as exc:
             raise BackendError(f"the backend's completions response is unusable: {exc}") from exc
         choice = chat["choices"][0]
@@ -289,7 +308,7 @@ class _StreamAnswer:
                 )
             return encode_data(DONE)
         try:
-            obj = orjson.loads(data)
+            obj = self._turn.decode(data)
         except orjson.JSONDecodeError as exc:
             raise BackendError(f"the backend sent a chunk that is not JSON: {exc}") from exc
         if not isinstance(obj, dict):
