@@ -26,7 +26,10 @@ from turnstile.reader import open_output
 pytestmark = pytest.mark.integration
 
 MODEL = "tiny-qwen3"
-STREAM_TOKENS = 300  # long enough to be in flight while the fence closes
+# Long enough to be in flight while the fence closes: a pause waits for all of it; an
+# abort cuts it, so it may be far longer than the test could wait for (the cut must come
+# before vLLM has sent its last token, however fast it runs).
+STREAM_TOKENS = {"pause": 300, "abort": 4000}
 PUSH_TIMEOUT_S = 300.0
 
 
@@ -57,11 +60,11 @@ def _greedy_logprobs(url: str, rollout: str) -> list[float]:
     return [e["logprob"] for e in resp.json()["choices"][0]["logprobs"]["content"]]
 
 
-def _stream(url: str, rollout: str, out: dict[str, Any]) -> None:
+def _stream(url: str, rollout: str, tokens: int, out: dict[str, Any]) -> None:
     body = {
         "model": MODEL,
         "messages": [{"role": "user", "content": "go on"}],
-        "max_tokens": STREAM_TOKENS,
+        "max_tokens": tokens,
         "ignore_eos": True,
         "stream": True,
     }
@@ -86,7 +89,7 @@ def test_a_weight_push_is_fenced(
         url = server.url
         before = _greedy_logprobs(url, "before")
         out: dict[str, Any] = {}
-        streamer = threading.Thread(target=_stream, args=(url, "stream", out))
+        streamer = threading.Thread(target=_stream, args=(url, "stream", STREAM_TOKENS[mode], out))
         streamer.start()
         deadline = time.monotonic() + 120
         while not out.get("started"):
@@ -94,6 +97,7 @@ def test_a_weight_push_is_fenced(
             time.sleep(0.05)
         paused = httpx.post(f"{url}/admin/pause", json={"mode": mode}, timeout=PUSH_TIMEOUT_S)
         assert paused.status_code == 200, paused.text
+        assert paused.json()["aborted"] == (1 if mode == "abort" else 0)
         assert httpx.get(f"{vllm}/is_paused", timeout=10).json()["is_paused"] is True
         # A call made during the push waits at the fence.
         during: dict[str, Any] = {}
@@ -130,11 +134,12 @@ def test_a_weight_push_is_fenced(
     stream = turns["stream"]
     assert stream["policy_version"] == 0
     if mode == "pause":
-        assert stream["status"] == "ok" and stream["num_completion_tokens"] == STREAM_TOKENS
+        assert stream["status"] == "ok"
+        assert stream["num_completion_tokens"] == STREAM_TOKENS["pause"]
         assert out["lines"][-1] == "data: [DONE]"
     else:
         assert stream["status"] == "aborted" and "weight update" in stream["error"]
-        assert 0 < stream["num_completion_tokens"] < STREAM_TOKENS
+        assert 0 < stream["num_completion_tokens"] < STREAM_TOKENS["abort"]
         assert len(stream["behavior_logprobs"]) == stream["num_completion_tokens"]
         assert "weight update" in out["lines"][-2]
     assert (turns["during"]["policy_version"], turns["during"]["status"]) == (1, "ok")
