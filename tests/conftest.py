@@ -13,7 +13,7 @@ from fastapi import FastAPI
 
 from tests.fakes_backend import FakeVLLM, Reply
 from tests.fakes_sink import InMemorySink
-from tests.live import LiveServer
+from tests.live import SERVERS, LiveServer
 from turnstile.server.app import create_app
 from turnstile.settings import load_settings
 
@@ -39,11 +39,13 @@ def make_app(tmp_path: Path) -> MakeApp:
     return _make
 
 
-@pytest.fixture
-def live() -> Iterator[Callable[..., LiveServer]]:
+@pytest.fixture(params=SERVERS)
+def live(request: pytest.FixtureRequest) -> Iterator[Callable[..., LiveServer]]:
+    """Serves apps over real sockets, once under each server `turnstile serve` offers."""
     servers: list[LiveServer] = []
 
     def _start(app: FastAPI, **options: Any) -> LiveServer:
+        options.setdefault("server", request.param)
         server = LiveServer(app, **options).__enter__()
         servers.append(server)
         return server

@@ -1,4 +1,5 @@
-"""Servers for tests: an ASGI app (Turnstile, the viewer) under uvicorn in a thread.
+"""Servers for tests: an ASGI app (Turnstile, the viewer) in a thread, under uvicorn or the
+raw asyncio/httptools server (`server="raw"`, `turnstile.server.raw`).
 
 `LiveServer(app)` serves any app on a free loopback port; `TurnstileServer` builds
 Turnstile's app from settings (a real backend URL, an output directory, a tokenizer) and
@@ -19,6 +20,7 @@ import uvicorn
 from turnstile.limits import HEADER_READ_TIMEOUT_S
 from turnstile.server.app import create_app
 from turnstile.server.header_phase import bounded_http_protocol
+from turnstile.server.raw import RawServer
 from turnstile.settings import load_settings
 
 # uvicorn binds and runs the app's start-up (the journal, the writer) within this.
@@ -34,19 +36,36 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# The servers `turnstile serve` offers that keep every HTTP behaviour the tests check
+# (granian does not answer 408/431 in the header phase: see turnstile.server.granian_server).
+SERVERS = ("uvicorn", "raw")
+
+
 class LiveServer:
-    """Runs an app under uvicorn on a loopback port in a background thread, with the HTTP
-    protocol `turnstile serve` uses (each request's head bounded in time and bytes)."""
+    """Runs an app on a loopback port in a background thread, under `server` as
+    `turnstile serve` runs it (each request's head bounded in time and bytes)."""
 
     def __init__(
         self,
         app: Any,
         port: int | None = None,
         header_read_timeout_s: float = HEADER_READ_TIMEOUT_S,
+        server: str = "uvicorn",
     ) -> None:
         self.app = app
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.kind = server
+        if server == "raw":
+            self.raw: RawServer | None = RawServer(
+                app,
+                port=self.port,
+                header_timeout_s=header_read_timeout_s,
+                install_signal_handlers=False,
+            )
+            self.thread = threading.Thread(target=self.raw.run)
+            return
+        self.raw = None
         config = uvicorn.Config(
             app,
             host="127.0.0.1",
@@ -58,16 +77,23 @@ class LiveServer:
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve()))
 
+    @property
+    def started(self) -> bool:
+        return self.raw.started if self.raw is not None else bool(self.server.started)
+
     def start(self) -> None:
         self.thread.start()
         deadline = time.monotonic() + START_TIMEOUT_S
-        while not self.server.started:
+        while not self.started:
             if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError(f"uvicorn did not start within {START_TIMEOUT_S:g} s")
+                raise RuntimeError(f"{self.kind} did not start within {START_TIMEOUT_S:g} s")
             time.sleep(_POLL_S)
 
     def stop(self) -> None:
-        self.server.should_exit = True
+        if self.raw is not None:
+            self.raw.stop()
+        else:
+            self.server.should_exit = True
         self.thread.join(STOP_TIMEOUT_S)
 
     def __enter__(self) -> LiveServer:

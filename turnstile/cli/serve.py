@@ -123,6 +123,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         help="worker processes sharing the port (default 1; see docs/deployment.md)",
     )
+    p.add_argument(
+        "--server",
+        choices=["uvicorn", "raw", "granian"],
+        help="HTTP server under the app (default uvicorn; see docs/performance.md)",
+    )
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.add_argument(
         "--log-format",
@@ -158,6 +163,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         "log_level": args.log_level,
         "log_format": args.log_format,
         "workers": args.workers,
+        "server": args.server,
     }
 
 

@@ -1,4 +1,9 @@
-"""Runs the app under uvicorn until SIGTERM/SIGINT, then exits 0 once all is published."""
+"""Runs the app until SIGTERM/SIGINT, then exits 0 once all is published.
+
+The HTTP server is `settings.server`: uvicorn (`GracefulServer`, the default), the raw
+asyncio/httptools protocol (`turnstile.server.raw`) or granian
+(`turnstile.server.granian_server`); each drains the same way before it stops.
+"""
 
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ from turnstile.proxy.core import Proxy
 from turnstile.server.app import create_app
 from turnstile.server.header_phase import bounded_http_protocol
 from turnstile.server.workers import WorkerSpec, socket_path
-from turnstile.settings import Settings
+from turnstile.settings import Settings, SettingsError
 
 log = logging.getLogger("turnstile")
 
@@ -95,6 +100,35 @@ def run_server(
             _shared_tcp_socket(settings.host, settings.port),
             _unix_socket(socket_path(worker.rundir, worker.index)),
         ]
+    proxy: Proxy = app.state.proxy
+    if settings.server == "raw":
+        from turnstile.server.raw import RawServer
+
+        RawServer(
+            app,
+            host=settings.host,
+            port=settings.port,
+            header_timeout_s=settings.header_read_timeout_s,
+            proxy=proxy,
+            drain_timeout_s=settings.drain_timeout_s,
+            on_started=on_started,
+        ).run(sockets)
+        return
+    if settings.server == "granian":
+        from turnstile.server.granian_server import GranianServer, granian_installed
+
+        if not granian_installed():
+            raise SettingsError("server 'granian' needs granian: pip install 'turnstile[granian]'")
+        GranianServer(
+            app,
+            host=settings.host,
+            port=settings.port,
+            header_timeout_s=settings.header_read_timeout_s,
+            proxy=proxy,
+            drain_timeout_s=settings.drain_timeout_s,
+            on_started=on_started,
+        ).run()
+        return
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -106,7 +140,7 @@ def run_server(
         # uvicorn's own wait for open connections; the app drains in-flight calls too.
         timeout_graceful_shutdown=int(settings.drain_timeout_s) or None,
     )
-    server = GracefulServer(config, app.state.proxy, settings.drain_timeout_s, on_started)
+    server = GracefulServer(config, proxy, settings.drain_timeout_s, on_started)
     server.run(sockets=sockets)
 
 
