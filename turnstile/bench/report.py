@@ -20,7 +20,9 @@ def _diff(a: float | None, b: float | None) -> float | None:
     return a - b if a is not None and b is not None else None
 
 
-def derived(results: list[dict[str, Any]]) -> dict[str, Any]:
+def derived(results: list[dict[str, Any]], servers: list[str] | None = None) -> dict[str, Any]:
+    """Ratios and differences of medians; with `servers` (`turnstile bench --servers`),
+    each other server's Turnstile against uvicorn's, scenario by scenario."""
     by_name = {r["name"]: r for r in results}
     out: dict[str, Any] = {"cpu_ratio_turnstile_over_nginx": {}}
     for r in results:
@@ -56,6 +58,9 @@ def derived(results: list[dict[str, Any]]) -> dict[str, Any]:
         out.setdefault(f"added_p50_ms_c1_{kind}_turnstile_by_prompt_tokens", {})[length] = _diff(
             _median(r, "turnstile", "latency_p50_ms"), _median(r, "direct", "latency_p50_ms")
         )
+    for server in servers or []:
+        if server != "uvicorn":
+            _server_ratios(out, results, f"turnstile-{server}", ns1, s1)
     for r in results:
         if r["paced"] or r["concurrency"] == 1:
             continue
@@ -63,6 +68,36 @@ def derived(results: list[dict[str, Any]]) -> dict[str, Any]:
             _median(r, "turnstile-2w", "req_per_s"), _median(r, "turnstile", "req_per_s")
         )
     return out
+
+
+def _server_ratios(
+    out: dict[str, Any],
+    results: list[dict[str, Any]],
+    target: str,
+    ns1: dict[str, Any] | None,
+    s1: dict[str, Any] | None,
+) -> None:
+    """`target` (Turnstile under another server) against `turnstile` (under uvicorn)."""
+    for r in results:
+        if target not in r["targets"]:
+            continue
+        cpu = "cpu_us_per_event" if r["stream"] else "cpu_us_per_req"
+        out.setdefault(f"cpu_ratio_{target}_over_turnstile", {})[r["name"]] = _ratio(
+            _median(r, target, cpu), _median(r, "turnstile", cpu)
+        )
+        rate = "events_per_s" if r["paced"] else "req_per_s"
+        out.setdefault(f"throughput_ratio_{target}_over_turnstile", {})[r["name"]] = _ratio(
+            _median(r, target, rate), _median(r, "turnstile", rate)
+        )
+        out.setdefault(f"cpu_ratio_{target}_over_nginx", {})[r["name"]] = _ratio(
+            _median(r, target, cpu), _median(r, "nginx", cpu)
+        )
+    out[f"added_p50_ms_c1_{target}"] = _diff(
+        _median(ns1, target, "latency_p50_ms"), _median(ns1, "direct", "latency_p50_ms")
+    )
+    out[f"added_ttfb_p50_ms_c1_stream_{target}"] = _diff(
+        _median(s1, target, "ttfb_p50_ms"), _median(s1, "direct", "ttfb_p50_ms")
+    )
 
 
 def _fmt(x: float | None) -> str:

@@ -44,10 +44,17 @@ from turnstile.bench import descendants, free_port, healthy, stop_group, wait_un
 from turnstile.bench.nginx import Nginx, find_nginx, nginx_version, start_nginx
 from turnstile.bench.report import derived, format_report
 from turnstile.bench.writer import measure as measure_writer
+from turnstile.server.granian_server import granian_installed
 
 TARGETS: Final[tuple[str, ...]] = ("direct", "nginx", "turnstile", "turnstile-2w")
 # Turnstile targets and their worker processes (`turnstile serve --workers N`).
 TURNSTILE_WORKERS: Final[dict[str, int]] = {"turnstile": 1, "turnstile-2w": 2}
+# The HTTP servers Turnstile can run under (`turnstile serve --server`). With `--servers`,
+# each Turnstile target runs once per server: `turnstile` under uvicorn (the default),
+# `turnstile-raw`, `turnstile-granian`, ... (granian serves one worker only).
+SERVERS: Final[tuple[str, ...]] = ("uvicorn", "raw", "granian")
+DEFAULT_SERVER: Final[str] = "uvicorn"
+ONE_WORKER_SERVERS: Final[frozenset[str]] = frozenset({"granian"})
 # Resident memory of the soak's Turnstile is sampled this often.
 SOAK_SAMPLE_S: Final[float] = 10.0
 RECORDING_THREADS: Final[frozenset[str]] = frozenset({"ts-writer", "ts-journal"})
@@ -101,6 +108,36 @@ class BenchConfig:
     quick: bool = False
     soak_s: float = 0.0  # after the scenarios: paced streams for this long, RSS sampled
     long_context: list[int] = field(default_factory=list)  # prompt lengths, c=1 scenarios
+    servers: list[str] = field(default_factory=lambda: [DEFAULT_SERVER])
+
+
+def server_target(base: str, server: str) -> str:
+    """The target name of Turnstile target `base` run under `server`."""
+    return base if server == DEFAULT_SERVER else f"{base}-{server}"
+
+
+def base_target(target: str) -> str:
+    """`turnstile-2w-raw` -> `turnstile-2w`: the target a server variant stands for."""
+    for server in SERVERS:
+        if server != DEFAULT_SERVER and target.endswith(f"-{server}"):
+            return target[: -len(server) - 1]
+    return target
+
+
+def expand_targets(targets: list[str], servers: list[str]) -> list[tuple[str, int, str]]:
+    """Each target once per server: (name, worker processes, server); `direct` and
+    `nginx` have no workers (0) and no server ("")."""
+    out: list[tuple[str, int, str]] = []
+    for target in targets:
+        workers = TURNSTILE_WORKERS.get(target)
+        if workers is None:
+            out.append((target, 0, ""))
+            continue
+        for server in servers:
+            if workers > 1 and server in ONE_WORKER_SERVERS:
+                continue
+            out.append((server_target(target, server), workers, server))
+    return out
 
 
 @dataclass(frozen=True)
@@ -333,6 +370,7 @@ def start_stacks(
     workdir: Path,
     nginx_bin: str | None,
     stacks: list[Stack],
+    servers: list[str] | None = None,
 ) -> None:
     """Start one stack per (label, tokens/s, prompt tokens) spec (tokens/s 0: back to back),
     appending to `stacks` as each backend starts so that the caller's `finally` can stop
@@ -360,10 +398,10 @@ def start_stacks(
             stack.nginx = start_nginx(
                 nginx_bin, workdir / f"nginx-{stack.label}", free_port(), stack.backend.port
             )
-        for target, workers in TURNSTILE_WORKERS.items():
-            if target not in cfg.targets:
+        for target, workers, server in expand_targets(cfg.targets, servers or cfg.servers):
+            if not workers:
                 continue
-            if stack.label.startswith("long") and target not in LONG_CONTEXT_TARGETS:
+            if stack.label.startswith("long") and base_target(target) not in LONG_CONTEXT_TARGETS:
                 continue
             port = free_port()
             name = f"{target}-{stack.label}"
@@ -381,6 +419,8 @@ def start_stacks(
                 "warning",
                 "--workers",
                 str(workers),
+                "--server",
+                server,
             ]
             stack.turnstiles[target] = spawn(name, args, port, workdir)
     for stack in stacks:
@@ -559,6 +599,10 @@ def resolve_config(cfg: BenchConfig) -> BenchConfig:
     unknown = sorted(set(cfg.targets) - set(TARGETS))
     if unknown or not cfg.targets:
         raise ValueError(f"targets must be among {', '.join(TARGETS)}, not {unknown}")
+    unknown = sorted(set(cfg.servers) - set(SERVERS))
+    if unknown or not cfg.servers:
+        raise ValueError(f"servers must be among {', '.join(SERVERS)}, not {unknown}")
+    cfg.servers = [s for s in SERVERS if s in cfg.servers]
     if cfg.rounds < 1 or cfg.duration_s <= 0 or any(c < 1 for c in cfg.concurrency):
         raise ValueError("rounds, duration and concurrency must be positive")
     if cfg.paced_rate <= 0 or cfg.paced_tokens < 1 or cfg.completion_tokens < 1:
@@ -653,6 +697,15 @@ def run_bench(
         targets.remove("nginx")
         if not targets:
             raise ValueError(skipped["nginx"] + ", and no other target was asked for")
+    servers = list(cfg.servers)
+    if "granian" in servers and not granian_installed():
+        skipped["granian"] = (
+            "granian is not installed (pip install 'turnstile[granian]'); not measured"
+        )
+        servers.remove("granian")
+        if not servers:
+            raise ValueError(skipped["granian"] + ", and no other server was asked for")
+    targets = [name for name, _, _ in expand_targets(targets, servers)]
     machine["nginx_version"] = (
         ".".join(map(str, nginx_version(nginx_bin) or ())) if nginx_bin else None
     )
@@ -665,14 +718,14 @@ def run_bench(
         if cfg.paced_streams > 0:
             specs.append(("paced", cfg.paced_rate, cfg.prompt_tokens))
         specs += [(f"long{n}", 0.0, n) for n in cfg.long_context]
-        start_stacks(specs, cfg, workdir, nginx_bin, stacks)
+        start_stacks(specs, cfg, workdir, nginx_bin, stacks, servers)
         by_label = {stack.label: stack for stack in stacks}
         results = []
         for sc in scenarios(cfg):
             stack = by_label[stack_label(sc)]
             sc_targets = targets
             if sc.prompt_tokens is not None:
-                sc_targets = [t for t in targets if t in LONG_CONTEXT_TARGETS]
+                sc_targets = [t for t in targets if base_target(t) in LONG_CONTEXT_TARGETS]
             if progress:
                 print(
                     f"{sc.name}: {cfg.rounds} rounds x {', '.join(sc_targets)}",
@@ -710,8 +763,9 @@ def run_bench(
         "machine": machine,
         "skipped": skipped,
         "targets": targets,
+        "servers": servers,
         "scenarios": results,
-        "derived": derived(results),
+        "derived": derived(results, servers),
         "soak": soak,
         "writer_by_prompt_tokens": writer,
         "elapsed_s": round(time.monotonic() - started, 2),

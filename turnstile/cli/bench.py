@@ -62,6 +62,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="subset of direct,nginx,turnstile,turnstile-2w (2 worker processes)",
     )
     p.add_argument(
+        "--servers",
+        type=_name_list,
+        default=["uvicorn"],
+        metavar="S,S,...",
+        help="run each Turnstile target under each of these HTTP servers, interleaved: "
+        "uvicorn (the target keeps its name), raw, granian (named turnstile-raw, ...; "
+        "granian needs the granian extra and runs one worker); default uvicorn",
+    )
+    p.add_argument(
         "--soak",
         type=float,
         default=0.0,
@@ -103,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
         quick=args.quick,
         soak_s=args.soak,
         long_context=[n for n in args.long_context if n != 0],
+        servers=args.servers,
     )
     try:
         run_bench(cfg, args.json)

@@ -15,13 +15,15 @@ import contextlib
 import logging
 import signal
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from turnstile.limits import HEADER_READ_TIMEOUT_S
-from turnstile.proxy.core import Proxy
 from turnstile.server.raw import LISTEN_BACKLOG
+
+if TYPE_CHECKING:
+    from turnstile.proxy.core import Proxy
 
 log = logging.getLogger("turnstile.granian")
 

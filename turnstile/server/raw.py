@@ -32,14 +32,16 @@ import socket
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import httptools
 from starlette.types import ASGIApp, Message
 
 from turnstile.errors import BadRequest, HeadersTooLarge, RequestTimeout, TurnstileError
 from turnstile.limits import HEADER_READ_TIMEOUT_S, MAX_REQUEST_HEAD_BYTES
-from turnstile.proxy.core import Proxy
+
+if TYPE_CHECKING:
+    from turnstile.proxy.core import Proxy
 
 log = logging.getLogger("turnstile.raw")
 
@@ -272,7 +274,16 @@ class RawHTTPProtocol(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            self._refuse(BadRequest("protocol upgrades are not supported"))
+            # The request went to the app as plain HTTP (which answers an upgrade 426); the
+            # parser stops here, so the connection closes after the answer.
+            cycle = self.parsing
+            if cycle is None or cycle.response_complete:
+                self.transport.close()
+                return
+            cycle.keep_alive = False
+            cycle.message_complete = True
+            cycle.message_event.set()
+            self._pause_reading()
             return
         except httptools.HttpParserError:
             self._refuse(BadRequest("invalid HTTP request"))
@@ -542,8 +553,9 @@ class RawServer:
 
     def stop(self) -> None:
         """Stop serving (thread-safe): close the listeners, finish, run the shutdown."""
-        if self._loop is not None and self._exit is not None:
-            self._loop.call_soon_threadsafe(self._exit.set)
+        if self._loop is not None and self._exit is not None and not self._loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: stopped
+                self._loop.call_soon_threadsafe(self._exit.set)
 
     def run(self, sockets: list[socket.socket] | None = None) -> None:
         asyncio.run(self.serve(sockets))
@@ -607,7 +619,7 @@ class RawServer:
         for conn in list(self.connections):
             conn.shutdown()
         deadline = time.monotonic() + max(self.drain_timeout_s, CLOSE_TIMEOUT_S)
-        while self.connections and time.monotonic() < deadline:
+        while self.connections and time.monotonic() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(_CLOSE_POLL_S)
         for conn in list(self.connections):
             conn.transport.abort()
