@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from turnstile.limits import HEADER_READ_TIMEOUT_S
-from turnstile.server.raw import LISTEN_BACKLOG
+from turnstile.server.raw import LISTEN_BACKLOG, run_loop
 
 if TYPE_CHECKING:
     from turnstile.proxy.core import Proxy
@@ -90,7 +90,7 @@ class GranianServer:
             self._loop.call_soon_threadsafe(self._server.stop)
 
     def run(self) -> None:
-        asyncio.run(self.serve())
+        run_loop(self.serve())
 
     async def serve(self) -> None:
         from granian.constants import HTTPModes, Interfaces

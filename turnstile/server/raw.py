@@ -15,7 +15,7 @@ Bodies reach the app as they arrive, so the app's 413, 408 and 503 body bounds h
 they do under uvicorn; reading pauses while more than `READ_HIGH_WATER` bytes wait.
 The rest of a body answered early (413) is read and dropped, and the connection goes on.
 Pipelined requests are answered in order. `RawServer` runs the app's lifespan, listens
-on a host and port or on given sockets, and on the first SIGTERM/SIGINT drains like
+on a host and port or on given sockets (on uvloop where it is installed, as uvicorn), and on the first SIGTERM/SIGINT drains like
 `GracefulServer` (the proxy refuses new calls; those in flight get the drain timeout)
 before it closes its listeners and runs the shutdown that publishes.
 """
@@ -31,7 +31,7 @@ import signal
 import socket
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, Final
 
 import httptools
@@ -237,8 +237,7 @@ class RawHTTPProtocol(asyncio.Protocol):
 
     # -- connection -------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = transport  # type: ignore[assignment]  # uvloop's is no subclass
         self.client = _address(transport.get_extra_info("peername"))
         self.local = _address(transport.get_extra_info("sockname"))
         self.server.connections.add(self)
@@ -459,6 +458,16 @@ class RawHTTPProtocol(asyncio.Protocol):
         self.transport.close()
 
 
+def run_loop(main: Coroutine[Any, Any, None]) -> None:
+    """Run `main` on uvloop where it is installed (as uvicorn does), else on asyncio's loop."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+        return
+    uvloop.run(main)
+
+
 def _address(info: Any) -> tuple[str, int] | None:
     if isinstance(info, tuple) and len(info) >= 2:
         return str(info[0]), int(info[1])
@@ -558,7 +567,7 @@ class RawServer:
                 self._loop.call_soon_threadsafe(self._exit.set)
 
     def run(self, sockets: list[socket.socket] | None = None) -> None:
-        asyncio.run(self.serve(sockets))
+        run_loop(self.serve(sockets))
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         loop = self._loop = asyncio.get_running_loop()
