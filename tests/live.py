@@ -37,7 +37,7 @@ def free_port() -> int:
 
 
 # The servers `turnstile serve` offers that keep every HTTP behaviour the tests check
-# (granian does not answer 408/431 in the header phase: see turnstile.server.granian_server).
+# (granian does not answer 408/431 in the header phase: see turnstile.bench.granian_serve).
 SERVERS = ("uvicorn", "raw")
 
 

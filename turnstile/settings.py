@@ -107,10 +107,10 @@ class Settings(BaseModel):
     log_format: Literal["text", "json"] = "text"
     # Processes serving the port together (SO_REUSEPORT); each rollout is owned by one.
     workers: int = Field(default=1, ge=1, le=64)
-    # The HTTP server under the app (docs/performance.md, "Serving layer"): uvicorn, the
-    # raw asyncio/httptools protocol (turnstile.server.raw), or granian (optional extra;
-    # one worker, no 408/431 answers in the header phase).
-    server: Literal["uvicorn", "raw", "granian"] = "uvicorn"
+    # The HTTP server under the app (docs/performance.md, "Serving layer"): uvicorn, or
+    # the raw asyncio/httptools protocol (turnstile.server.raw); both keep every HTTP
+    # behaviour (the header phase's 408/431, the body bounds).
+    server: Literal["uvicorn", "raw"] = "uvicorn"
 
     connect_timeout_s: float = Field(default=limits.CONNECT_TIMEOUT_S, gt=0)
     first_byte_timeout_s: float = Field(default=limits.FIRST_BYTE_TIMEOUT_S, gt=0)
@@ -185,15 +185,6 @@ class Settings(BaseModel):
             raise ValueError(
                 "mode 'tito' renders prompts itself: set tokenizer (--tokenizer DIR) to the "
                 "served model's tokenizer directory"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _granian_serves_one_worker(self) -> Settings:
-        if self.server == "granian" and self.workers != 1:
-            raise ValueError(
-                "server 'granian' runs one worker (it cannot share its port with the other "
-                "workers' sockets): use --workers 1, or server 'uvicorn' or 'raw'"
             )
         return self
 

@@ -41,16 +41,17 @@ from typing import Any, Final
 import orjson
 
 from turnstile.bench import descendants, free_port, healthy, stop_group, wait_until
+from turnstile.bench.granian_serve import granian_installed
 from turnstile.bench.nginx import Nginx, find_nginx, nginx_version, start_nginx
 from turnstile.bench.report import derived, format_report
 from turnstile.bench.writer import measure as measure_writer
-from turnstile.server.granian_server import granian_installed
 
 TARGETS: Final[tuple[str, ...]] = ("direct", "nginx", "turnstile", "turnstile-2w")
 # Turnstile targets and their worker processes (`turnstile serve --workers N`).
 TURNSTILE_WORKERS: Final[dict[str, int]] = {"turnstile": 1, "turnstile-2w": 2}
-# The HTTP servers Turnstile can run under (`turnstile serve --server`). With `--servers`,
-# each Turnstile target runs once per server: `turnstile` under uvicorn (the default),
+# The HTTP servers Turnstile can run under: `turnstile serve --server uvicorn|raw`, and
+# granian (`turnstile.bench.granian_serve`, measured only). With `--servers`, each
+# Turnstile target runs once per server: `turnstile` under uvicorn (the default),
 # `turnstile-raw`, `turnstile-granian`, ... (granian serves one worker only).
 SERVERS: Final[tuple[str, ...]] = ("uvicorn", "raw", "granian")
 DEFAULT_SERVER: Final[str] = "uvicorn"
@@ -405,10 +406,13 @@ def start_stacks(
                 continue
             port = free_port()
             name = f"{target}-{stack.label}"
+            # granian is no `turnstile serve --server`: its own entry serves the same app
+            entry = (
+                ["turnstile.bench.granian_serve"] if server == "granian" else ["turnstile", "serve"]
+            )
             args = [
                 "-m",
-                "turnstile",
-                "serve",
+                *entry,
                 "--backend",
                 stack.backend.url,
                 "--output",
@@ -419,13 +423,13 @@ def start_stacks(
                 "warning",
                 "--workers",
                 str(workers),
-                "--server",
-                server,
             ]
+            if server != "granian":
+                args += ["--server", server]
             stack.turnstiles[target] = spawn(name, args, port, workdir)
     for stack in stacks:
-        for server in stack.turnstiles.values():
-            server.wait_ready(TURNSTILE_START_TIMEOUT_S)
+        for started in stack.turnstiles.values():
+            started.wait_ready(TURNSTILE_START_TIMEOUT_S)
 
 
 # -- rounds -------------------------------------------------------------------------------

@@ -125,8 +125,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--server",
-        choices=["uvicorn", "raw", "granian"],
-        help="HTTP server under the app (default uvicorn; see docs/performance.md)",
+        choices=["uvicorn", "raw"],
+        help="HTTP server under the app: uvicorn (default) or raw (asyncio + httptools); "
+        "see docs/performance.md",
     )
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.add_argument(

@@ -15,9 +15,10 @@ Bodies reach the app as they arrive, so the app's 413, 408 and 503 body bounds h
 they do under uvicorn; reading pauses while more than `READ_HIGH_WATER` bytes wait.
 The rest of a body answered early (413) is read and dropped, and the connection goes on.
 Pipelined requests are answered in order. `RawServer` runs the app's lifespan, listens
-on a host and port or on given sockets (on uvloop where it is installed, as uvicorn), and on the first SIGTERM/SIGINT drains like
-`GracefulServer` (the proxy refuses new calls; those in flight get the drain timeout)
-before it closes its listeners and runs the shutdown that publishes.
+on a host and port or on given sockets (on uvloop where it is installed, as uvicorn
+does), and on the first SIGTERM/SIGINT drains like `GracefulServer` (the proxy refuses
+new calls; those in flight get the drain timeout) before it closes its listeners and
+runs the shutdown that publishes.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Runs the app until SIGTERM/SIGINT, then exits 0 once all is published.
 
-The HTTP server is `settings.server`: uvicorn (`GracefulServer`, the default), the raw
-asyncio/httptools protocol (`turnstile.server.raw`) or granian
-(`turnstile.server.granian_server`); each drains the same way before it stops.
+The HTTP server is `settings.server`: uvicorn (`GracefulServer`, the default) or the raw
+asyncio/httptools protocol (`turnstile.server.raw`); both drain the same way before they
+stop.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from turnstile.proxy.core import Proxy
 from turnstile.server.app import create_app
 from turnstile.server.header_phase import bounded_http_protocol
 from turnstile.server.workers import WorkerSpec, socket_path
-from turnstile.settings import Settings, SettingsError
+from turnstile.settings import Settings
 
 log = logging.getLogger("turnstile")
 
@@ -113,21 +113,6 @@ def run_server(
             drain_timeout_s=settings.drain_timeout_s,
             on_started=on_started,
         ).run(sockets)
-        return
-    if settings.server == "granian":
-        from turnstile.server.granian_server import GranianServer, granian_installed
-
-        if not granian_installed():
-            raise SettingsError("server 'granian' needs granian: pip install 'turnstile[granian]'")
-        GranianServer(
-            app,
-            host=settings.host,
-            port=settings.port,
-            header_timeout_s=settings.header_read_timeout_s,
-            proxy=proxy,
-            drain_timeout_s=settings.drain_timeout_s,
-            on_started=on_started,
-        ).run()
         return
     config = uvicorn.Config(
         app,

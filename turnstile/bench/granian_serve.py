@@ -1,19 +1,25 @@
-"""The `granian` serving layer: the app under granian's embedded ASGI server (Rust HTTP).
+"""Turnstile under granian's embedded ASGI server (Rust HTTP), for `turnstile bench` only.
 
-Optional (`pip install 'turnstile[granian]'`) and for measurement: `turnstile bench
---servers uvicorn,raw,granian` compares it with the other two. It runs in this process's
-event loop (granian's experimental embedded mode), one worker, HTTP/1 only, with the app's
-lifespan. What it does not give: the bounded header phase answers 408 and 431 with a body
-(granian's own header-read timeout closes the connection without an answer), several
-worker processes on one port (`workers` must be 1), and serving a given socket.
+`python -m turnstile.bench.granian_serve <turnstile serve flags>` serves the same app as
+`turnstile serve` under granian, so that `turnstile bench --servers uvicorn,raw,granian`
+can compare it with the two servers `turnstile serve` offers. It needs the optional
+extra (`pip install 'turnstile[granian]'`) and runs in this process's event loop
+(granian's experimental embedded mode), one worker, HTTP/1 only, with the app's lifespan.
+
+It is not a `server` setting because it does not keep the header phase's contract:
+a client dribbling its headers is closed without the 408 answer, and an endless head is
+answered 431 without the OpenAI-style body (measured with granian 2.8); nor can it share
+its port with other workers' sockets (`--workers` must be 1).
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import logging
 import signal
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -142,3 +148,40 @@ class GranianServer:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.proxy.idle.wait(), self.drain_timeout_s)
         self._server.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`turnstile serve`'s flags; the app as it builds it, served by `GranianServer`."""
+    from turnstile.cli.serve import _overrides, add_arguments
+    from turnstile.server.app import create_app
+    from turnstile.server.logs import setup_logging
+    from turnstile.settings import load_settings
+
+    parser = argparse.ArgumentParser(prog="python -m turnstile.bench.granian_serve")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    settings = load_settings(args.config, _overrides(args))
+    if settings.workers != 1 or settings.server != "uvicorn":
+        print(
+            "granian_serve runs one worker under granian: no --workers, no --server",
+            file=sys.stderr,
+        )
+        return 2
+    if not granian_installed():
+        print("granian is not installed: pip install 'turnstile[granian]'", file=sys.stderr)
+        return 2
+    setup_logging(settings.log_level, settings.log_format)
+    app = create_app(settings)
+    GranianServer(
+        app,
+        host=settings.host,
+        port=settings.port,
+        header_timeout_s=settings.header_read_timeout_s,
+        proxy=app.state.proxy,
+        drain_timeout_s=settings.drain_timeout_s,
+    ).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
