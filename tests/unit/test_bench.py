@@ -17,6 +17,7 @@ import orjson
 import pytest
 
 from turnstile.bench import free_port, healthy, runner, stop_group, wait_until
+from turnstile.bench.granian_serve import granian_installed
 from turnstile.bench.loadgen import (
     DONE_TAIL,
     LoopbackOnly,
@@ -28,6 +29,8 @@ from turnstile.bench.loadgen import (
 from turnstile.bench.nginx import check_config, find_nginx, render_config, start_nginx
 from turnstile.bench.runner import (
     BenchConfig,
+    base_target,
+    expand_targets,
     pinned,
     resolve_config,
     run_bench,
@@ -466,3 +469,124 @@ def test_decode_bench_times_every_way_of_reading_an_answer() -> None:
     assert set(result["us"]) == names
     assert all(v["median"] > 0 and v["min"] <= v["median"] for v in result["us"].values())
     assert result["body_bytes"] > 0
+
+
+# -- the serving layer: each Turnstile target under each server -----------------------------
+def test_servers_name_one_target_per_server() -> None:
+    expanded = expand_targets(
+        ["direct", "turnstile", "turnstile-2w"], ["uvicorn", "raw", "granian"]
+    )
+    assert expanded == [
+        ("direct", 0, ""),
+        ("turnstile", 1, "uvicorn"),
+        ("turnstile-raw", 1, "raw"),
+        ("turnstile-granian", 1, "granian"),
+        ("turnstile-2w", 2, "uvicorn"),
+        ("turnstile-2w-raw", 2, "raw"),  # granian serves one worker only
+    ]
+    assert [base_target(name) for name, _, _ in expanded] == [
+        "direct",
+        "turnstile",
+        "turnstile",
+        "turnstile",
+        "turnstile-2w",
+        "turnstile-2w",
+    ]
+    assert resolve_config(BenchConfig(servers=["raw", "uvicorn"])).servers == ["uvicorn", "raw"]
+    with pytest.raises(ValueError, match="servers must be among"):
+        resolve_config(BenchConfig(servers=["hypercorn"]))
+    with pytest.raises(ValueError, match="servers must be among"):
+        resolve_config(BenchConfig(servers=[]))
+
+
+def test_bench_flag_servers() -> None:
+    import argparse
+
+    from turnstile.cli import bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    assert parser.parse_args([]).servers == ["uvicorn"]
+    assert parser.parse_args(["--servers", "uvicorn, raw,granian"]).servers == [
+        "uvicorn",
+        "raw",
+        "granian",
+    ]
+
+
+def _scenario(name: str, stream: bool, medians: dict[str, dict[str, float]]) -> dict[str, object]:
+    return {
+        "name": name,
+        "stream": stream,
+        "paced": False,
+        "concurrency": 1,
+        "prompt_tokens": None,
+        "targets": {
+            t: {"summary": {m: {"median": v, "min": v, "max": v} for m, v in ms.items()}}
+            for t, ms in medians.items()
+        },
+    }
+
+
+def test_derived_compares_each_server_with_uvicorn() -> None:
+    from turnstile.bench.report import derived
+
+    results = [
+        _scenario(
+            "nonstream-c1",
+            False,
+            {
+                "direct": {"latency_p50_ms": 1.0, "req_per_s": 1000.0},
+                "nginx": {"cpu_us_per_req": 100.0, "latency_p50_ms": 1.1},
+                "turnstile": {"cpu_us_per_req": 1000.0, "req_per_s": 200.0, "latency_p50_ms": 2.0},
+                "turnstile-raw": {
+                    "cpu_us_per_req": 800.0,
+                    "req_per_s": 250.0,
+                    "latency_p50_ms": 1.5,
+                },
+            },
+        ),
+        _scenario(
+            "stream-c1",
+            True,
+            {
+                "direct": {"ttfb_p50_ms": 0.5},
+                "turnstile": {"cpu_us_per_event": 10.0, "ttfb_p50_ms": 3.0},
+                "turnstile-raw": {"cpu_us_per_event": 12.0, "ttfb_p50_ms": 2.5},
+            },
+        ),
+    ]
+    out = derived(results, ["uvicorn", "raw"])
+    assert out["cpu_ratio_turnstile-raw_over_turnstile"] == {"nonstream-c1": 0.8, "stream-c1": 1.2}
+    assert out["throughput_ratio_turnstile-raw_over_turnstile"]["nonstream-c1"] == 1.25
+    assert out["cpu_ratio_turnstile-raw_over_nginx"]["nonstream-c1"] == 8.0
+    assert out["added_p50_ms_c1_turnstile-raw"] == 0.5
+    assert out["added_ttfb_p50_ms_c1_stream_turnstile-raw"] == 2.0
+    assert not any("granian" in key for key in out)
+    assert not any("turnstile-raw" in key for key in derived(results))
+
+
+def test_bench_runs_turnstile_under_each_server_interleaved() -> None:
+    servers = ["uvicorn", "raw"] + (["granian"] if granian_installed() else [])
+    cfg = BenchConfig(
+        rounds=1,
+        duration_s=0.3,
+        concurrency=[1],
+        paced_streams=0,
+        targets=["direct", "turnstile"],
+        servers=servers,
+    )
+    report = run_bench(cfg, progress=False)
+    named = ["direct", "turnstile", *(f"turnstile-{s}" for s in servers[1:])]
+    assert report["targets"] == named and report["servers"] == servers
+    for sc in report["scenarios"]:
+        assert list(sc["targets"]) == named
+        for target in named[1:]:
+            summary = sc["targets"][target]["summary"]
+            assert summary["errors"]["max"] == 0, (sc["name"], target)
+            assert summary["req_per_s"]["median"] > 0
+            metric = "cpu_us_per_event" if sc["stream"] else "cpu_us_per_req"
+            assert summary[metric]["median"] > 0, (sc["name"], target)
+    ratios = report["derived"]["cpu_ratio_turnstile-raw_over_turnstile"]
+    assert set(ratios) == {"nonstream-c1", "stream-c1"} and all(r > 0 for r in ratios.values())
+    assert report["derived"]["added_ttfb_p50_ms_c1_stream_turnstile-raw"] is not None

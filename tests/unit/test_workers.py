@@ -17,7 +17,9 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
+from tests.live import SERVERS
 from tests.unit.test_crash_recovery import _cli, _port, backend_url  # noqa: F401  (fixture)
 from turnstile.reader import open_output
 from turnstile.server.workers import owner_of
@@ -67,15 +69,18 @@ def _slow_heads_are_cut_off(port: int) -> None:
             assert answer.startswith(b"HTTP/1.1 408 "), answer
 
 
+@pytest.mark.parametrize("server", SERVERS)
 def test_two_workers_keep_every_rollout_whole(
     backend_url: str,  # noqa: F811
     tmp_path: Path,
+    server: str,
 ) -> None:
     port = _port()
     base = f"http://127.0.0.1:{port}"
     out = tmp_path / "out"
     env = {
         **os.environ,
+        "TURNSTILE_SERVER": server,
         "TURNSTILE_SHARD_MAX_AGE_S": "0.3",
         "TURNSTILE_HEADER_READ_TIMEOUT_S": str(HEADER_READ_TIMEOUT_S),
     }
