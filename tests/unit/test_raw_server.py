@@ -74,7 +74,7 @@ def _raw(app: Any) -> LiveServer:
 def _read_responses(sock: socket.socket, count: int) -> list[tuple[bytes, bytes]]:
     """`count` Content-Length-framed responses: (head, body) each."""
     data = b""
-    out = []
+    out: list[tuple[bytes, bytes]] = []
     while len(out) < count:
         while b"\r\n\r\n" not in data:
             chunk = sock.recv(65536)
