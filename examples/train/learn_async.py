@@ -13,9 +13,8 @@ asynchronous RL system:
   the Proximal KL loss and pushes the new weights to vLLM, alternating the two fencing
   modes that lose no tokens: ``keep`` (vLLM reloads, then ``POST /admin/policy_version``;
   calls in flight go on and keep the version they began with) and ``pause``
-  (``POST /admin/pause`` waits for the calls in flight, vLLM reloads, ``POST
-  /admin/resume {"policy_version"}``; the proxy runs with ``backend_pause`` so vLLM's engine
-  pauses too);
+  (``POST /admin/pause``: new calls wait at Turnstile's fence and the calls in flight
+  finish; vLLM reloads; ``POST /admin/resume {"policy_version"}``);
 - staleness: a round is trained one version after the one that sampled it (``ahead``
   versions at most). It is **corrected** with token TIS: each token's weight is
   ``min(pi_theta / mu, cap)`` with ``mu`` the behaviour logprob Turnstile recorded, so a
@@ -35,7 +34,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
-import os
 import queue
 import shutil
 import sys
@@ -62,8 +60,9 @@ MODES: Final[tuple[str, ...]] = ("keep", "pause")
 # A round is published within the proxy's publish_delay_s (0.5 s) of its last finish; 120 s
 # only bounds the wait on a badly overloaded machine.
 ROUND_WAIT_S: Final[float] = 120.0
-# A pause waits for the calls in flight: a few tokens each from the tiny model.
-PAUSE_TIMEOUT_S: Final[float] = 120.0
+# A pause waits for the calls in flight (a few tokens each from the tiny model); the proxy
+# gives up after its own FENCE_DRAIN_TIMEOUT_S (300 s) and says so, which this outlasts.
+PAUSE_TIMEOUT_S: Final[float] = 360.0
 # Rollout calls in flight at once: fewer than learn.py's 8, so that a round takes about as
 # long as a training step and calls are in flight when the weights are pushed.
 ASYNC_CONCURRENCY: Final[int] = 2
@@ -91,6 +90,9 @@ class AsyncCurve(learn.Curve):
     stale_tis_weight: list[float | None] = field(default_factory=list)  # per step
     pushes: list[Push] = field(default_factory=list)
     reward_by_version: dict[int, float] = field(default_factory=dict)
+    tokens_by_version: dict[int, int] = field(default_factory=dict)  # sampled, recorded
+    turns_not_ok: int = 0  # turns recorded aborted or error
+    tokens_lost: int = 0  # tokens asked for (min_tokens = max_tokens) but not recorded
 
 
 @dataclass
@@ -204,15 +206,6 @@ class AsyncTrainer(learn.Trainer):
         return float(out.weights[tokens].mean()) if bool(tokens.any()) else None
 
 
-def start_proxy(backend: str, output: Path, log_path: Path) -> learn.Proxy:
-    """``turnstile serve`` that also pauses vLLM's engine during a ``pause`` push."""
-    os.environ["TURNSTILE_BACKEND_PAUSE"] = "true"
-    try:
-        return learn.start_proxy(backend, output, log_path)
-    finally:
-        del os.environ["TURNSTILE_BACKEND_PAUSE"]
-
-
 def push(proxy: str, backend: str, version: int, mode: str, producer: Producer) -> Push:
     started = time.monotonic()
     if mode == "keep":
@@ -254,7 +247,7 @@ def run_estimator(
     shutil.copyfile(pristine, model_dir / "model.safetensors")
     learn.reload_backend(backend)
     output = workdir / f"out-async-{estimator}"
-    proxy = start_proxy(backend, output, workdir / f"turnstile-async-{estimator}.log")
+    proxy = learn.start_proxy(backend, output, workdir / f"turnstile-async-{estimator}.log")
     curve = AsyncCurve(estimator)
     trainer = AsyncTrainer(model_dir, cfg)
     # Rounds 0..steps-1 are trained on; round `steps` was sampled during the last step,
@@ -314,6 +307,14 @@ def run_estimator(
         producer.stopped.set()
         producer.join(learn.HTTP_TIMEOUT_S)
         proxy.stop()
+    # Every call asks for exactly max_tokens (min_tokens too): a turn cut by a push, or
+    # lost, shows as fewer recorded tokens.
+    turns = open_output(output).turns(columns=["policy_version", "status", "num_completion_tokens"])
+    for t in turns.to_pylist():
+        v, n = int(t["policy_version"]), int(t["num_completion_tokens"])
+        curve.tokens_by_version[v] = curve.tokens_by_version.get(v, 0) + n
+        curve.turns_not_ok += t["status"] != "ok"
+        curve.tokens_lost += max(0, cfg.max_tokens - n)
     curve.reward_by_version = {v: float(np.mean(r)) for v, r in sorted(rewards_by_version.items())}
     curve.seconds = time.monotonic() - started
     return curve
@@ -410,6 +411,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "stale_tis_weight": c.stale_tis_weight,
             "pushes": [vars(p) for p in c.pushes],
             "reward_by_version": c.reward_by_version,
+            "tokens_by_version": dict(sorted(c.tokens_by_version.items())),
+            "turns_not_ok": c.turns_not_ok,
+            "tokens_lost": c.tokens_lost,
             "seconds": round(c.seconds, 1),
         }
         for c in curves

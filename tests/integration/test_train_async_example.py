@@ -9,6 +9,7 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train" / "learn_async.py"
 STEPS = 4
@@ -19,6 +20,8 @@ EXAMPLE_TIMEOUT_S = 900
 # first round to the last for every estimator; 0.15 leaves room for vLLM's
 # batch-dependent numerics and for where the pushes fall among the rollouts.
 MIN_GAIN = 0.15
+# The example's defaults (learn.Config).
+GROUPS, GROUP_SIZE, MAX_TOKENS = 4, 4, 8
 
 
 def test_the_asynchronous_loop_learns_with_stale_samples_corrected(tmp_path: Path) -> None:
@@ -40,7 +43,11 @@ def test_the_asynchronous_loop_learns_with_stale_samples_corrected(tmp_path: Pat
         check=False,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    curves = json.loads(result.read_text())
+    check_curves(json.loads(result.read_text()))
+
+
+def check_curves(curves: dict[str, Any]) -> None:
+    """What the example's JSON must show (also usable on a run against another vLLM)."""
     assert set(curves) == {"grpo", "gdpo", "mrtpo"}
     for name, curve in curves.items():
         rewards = curve["mean_reward"]
@@ -63,6 +70,10 @@ def test_the_asynchronous_loop_learns_with_stale_samples_corrected(tmp_path: Pat
             name,
             weights,
         )
+        # No push lost a token: every call's tokens were recorded, whole and ok.
+        assert (curve["turns_not_ok"], curve["tokens_lost"]) == (0, 0), name
+        rollouts = (STEPS + 2) * GROUPS * GROUP_SIZE
+        assert sum(curve["tokens_by_version"].values()) == rollouts * MAX_TOKENS, name
         # Every round is sampled by the version being trained or the one before it.
         for k, versions in enumerate(curve["policy_versions"]):
             assert set(versions) <= {max(k - 1, 0), k}, (name, k, versions)
