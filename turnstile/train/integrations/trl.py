@@ -140,7 +140,7 @@ class VLLMWeightSync:
     # The dtype vLLM serves: the checkpoint is written in it.
     dtype: torch.dtype = torch.bfloat16
     api_key: str | None = None
-    pushes: list[int] = field(default_factory=list)
+    pushes: list[int] = field(default_factory=list, init=False)  # versions pushed
 
     def push(self, model: Any, policy_version: int) -> None:
         """Write ``model``'s weights, reload them into vLLM between Turnstile's pause and
@@ -209,9 +209,9 @@ class TurnstileRollouts:
     api_key: str | None = None
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
     # What was given to TRL, per call (for logging and checks).
-    history: list[list[TRLSample]] = field(default_factory=list)
-    _version: int = 0
-    _calls: itertools.count[int] = field(default_factory=itertools.count)
+    history: list[list[TRLSample]] = field(default_factory=list, init=False)
+    _version: int = field(default=0, init=False)
+    _calls: itertools.count[int] = field(default_factory=itertools.count, init=False)
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
