@@ -299,6 +299,7 @@ class Reply:
     no_token_ids: bool = False  # behave like a backend that returns no IDs
     tool_calls: list[dict[str, Any]] | None = None  # streamed after the text, one per chunk
     reasoning: str | None = None  # streamed before the text, a character per chunk
+    whole_delay_s: float = 0.0  # a whole answer: seconds before its body arrives
 
 
 @dataclass
@@ -401,7 +402,9 @@ class FakeVLLM:
                 )
             )
         whole = self._whole(parsed, reply, prompt_text, n, chat)
-        return self._keep(FakeResponse(200, JSON_HEADERS, [orjson.dumps(whole)]))
+        return self._keep(
+            FakeResponse(200, JSON_HEADERS, [orjson.dumps(whole)], delay_s=reply.whole_delay_s)
+        )
 
     async def aclose(self) -> None:
         self.closed = True

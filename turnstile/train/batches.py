@@ -102,12 +102,11 @@ def spread_versions(
 ) -> npt.NDArray[np.int64] | None:
     """Per-token versions from a sample's ``policy_version_spans`` (``start``, ``version``
     runs over ``input_ids``): each sampled token gets the run it falls in, the others
-    ``NO_VERSION``. None when the sample has no spans (shards before version 4)."""
-    if spans is None:
+    ``NO_VERSION``. None when the sample has none (shards before version 4, samples made
+    without them): its sampled tokens then carry ``min_policy_version``."""
+    if not spans:
         return None
     out = np.full(loss_mask.shape[0], NO_VERSION, dtype=np.int64)
-    if not spans:
-        return out
     starts = np.array([int(x["start"]) for x in spans], dtype=np.int64)
     versions = np.array([int(x["version"]) for x in spans], dtype=np.int64)
     positions = np.arange(loss_mask.shape[0])
