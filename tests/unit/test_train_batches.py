@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from turnstile.output.shards import ParquetShardSink
+from turnstile.reader import open_output
 from turnstile.records import BreakKind, Reward, RolloutStatus, SampleRecord, TokenSource, TurnSpan
 from turnstile.train import batches
 from turnstile.train.dataset import ShardFollower
@@ -301,6 +302,11 @@ def test_per_token_versions_are_read_back_and_laid_out(tmp_path: Path) -> None:
     ]
     packed = batches.pack_batch([a, b])
     assert packed["behavior_versions"][0].tolist() == [-1, -1, 2, 2, 2, 5, 5, 5, -1, 4, 4]
+    arrays = list(open_output(tmp_path).sample_arrays())  # the reader gives them too
+    assert [x["behavior_versions"].tolist() for x in arrays] == [
+        [-1, -1, 2, 2, 2, 5, 5, 5],
+        [-1, 4, 4],
+    ]
 
 
 def test_stale_tokens_leave_the_loss_token_by_token(tmp_path: Path) -> None:

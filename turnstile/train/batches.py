@@ -22,7 +22,7 @@ import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 
-from turnstile.reader import list_parts, rewards_dict
+from turnstile.reader import NO_VERSION, list_parts, rewards_dict, spread_versions
 from turnstile.train import advantages as adv
 
 # The columns of the samples table a TrainSample is built from.
@@ -41,8 +41,6 @@ SAMPLE_COLUMNS: Final[tuple[str, ...]] = (
     "max_policy_version",
     "policy_version_spans",
 )
-# `behavior_versions` of a token that was not sampled (prompt, padding, aborted turns).
-NO_VERSION: Final[int] = -1
 
 Batch = dict[str, npt.NDArray[Any]]
 
@@ -95,25 +93,6 @@ class TrainSample:
         """Versions behind ``current_version`` per token (0 where ``loss_mask`` is 0)."""
         versions = self.token_versions()
         return np.where(versions == NO_VERSION, 0, current_version - versions).astype(np.int64)
-
-
-def spread_versions(
-    spans: Sequence[Mapping[str, int]] | None, loss_mask: npt.NDArray[np.int8]
-) -> npt.NDArray[np.int64] | None:
-    """Per-token versions from a sample's ``policy_version_spans`` (``start``, ``version``
-    runs over ``input_ids``): each sampled token gets the run it falls in, the others
-    ``NO_VERSION``. None when the sample has none (shards before version 4, samples made
-    without them): its sampled tokens then carry ``min_policy_version``."""
-    if not spans:
-        return None
-    out = np.full(loss_mask.shape[0], NO_VERSION, dtype=np.int64)
-    starts = np.array([int(x["start"]) for x in spans], dtype=np.int64)
-    versions = np.array([int(x["version"]) for x in spans], dtype=np.int64)
-    positions = np.arange(loss_mask.shape[0])
-    run = np.searchsorted(starts, positions, side="right") - 1
-    sampled = (loss_mask > 0) & (run >= 0)
-    out[sampled] = versions[run[sampled]]
-    return out
 
 
 def mask_stale_tokens(
