@@ -275,3 +275,53 @@ def test_tokens_per_version_in_each_mode(
         cut = [t for t in first if t["status"] == "aborted"]
         assert len(cut) == STREAMS and 0 < lost < STREAMS * tokens
         assert per_version == {0: lost, 1: STREAMS * RETRY_TOKENS}
+
+
+def _keys(value: Any) -> Any:
+    """The key structure of a JSON value, in order (values left out)."""
+    if isinstance(value, dict):
+        return [(k, _keys(v)) for k, v in value.items()]
+    if isinstance(value, list):
+        return [_keys(v) for v in value]
+    return None
+
+
+@pytest.mark.parametrize(
+    ("path", "extra"),
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "count"}]}),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "count"}],
+                "logprobs": True,
+                "top_logprobs": 2,
+                "return_token_ids": True,
+            },
+        ),
+        ("/v1/completions", {"prompt": "once upon", "logprobs": 2, "return_token_ids": True}),
+        ("/v1/completions", {"prompt": "once upon"}),
+    ],
+)
+def test_stream_whole_calls_answers_as_vllm_does(
+    vllm_server: Any, qwen3_tokenizer_dir: Path, tmp_path: Path, path: str, extra: dict[str, Any]
+) -> None:
+    """A whole call streamed upstream and assembled has the keys, in the order, and the
+    values of vLLM's own whole answer (ids and creation times aside)."""
+    vllm = vllm_server.base_url
+    body = {"model": MODEL, "max_tokens": 8, "temperature": 0, **extra}
+    direct = httpx.post(f"{vllm}{path}", json=body, timeout=120).json()
+    with TurnstileServer(
+        vllm, tmp_path / "out", qwen3_tokenizer_dir, stream_whole_calls=True
+    ) as server:
+        through = httpx.post(f"{server.url}{path}", json=body, timeout=120).json()
+    for answer in (direct, through):
+        answer.pop("id"), answer.pop("created")
+    assert _keys(through) == _keys(direct)
+    for a, b in zip(through["choices"], direct["choices"], strict=True):
+        assert a.get("token_ids") == b.get("token_ids")
+        assert a.get("message", a.get("text")) == b.get("message", b.get("text"))
+        assert a["finish_reason"] == b["finish_reason"]
+    assert through["usage"] == direct["usage"]
+    turns = open_output(tmp_path / "out").turns().to_pylist()
+    assert [t["status"] for t in turns] == ["ok"] and turns[0]["num_completion_tokens"] == 8

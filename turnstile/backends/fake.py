@@ -520,9 +520,11 @@ class FakeVLLM:
                 )
                 events.append(completion_chunk("cmpl-fake", model, choice))
         options = body.get("stream_options")
-        if chat and isinstance(options, dict) and options.get("include_usage"):
+        if isinstance(options, dict) and options.get("include_usage"):
             completion_tokens = sum(len(self.completion_ids(reply, c)) for c in range(n))
-            usage_chunk = _chunk("chatcmpl-fake", model, [])
+            usage_chunk = _chunk("chatcmpl-fake" if chat else "cmpl-fake", model, [])
+            if not chat:
+                usage_chunk["object"] = "text_completion"
             usage_chunk["usage"] = usage(len(prompt_text), completion_tokens)
             events.append(usage_chunk)
         return [*(sse_event(e) for e in events), SSE_DONE]

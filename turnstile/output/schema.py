@@ -213,7 +213,7 @@ TURNS_COLUMNS: Final[tuple[Column, ...]] = (
         True,
         "True for a whole (non-streamed) call that a policy switch fell inside: its tokens "
         "are all recorded under the version it began with, but the later ones may have "
-        "been sampled by the next (a streamed call places the switch). "
+        "been sampled by the next (with `stream_whole_calls` on, the switch is placed). "
         "Null in shards before version 4.",
     ),
 )

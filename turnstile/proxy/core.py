@@ -49,6 +49,7 @@ from turnstile.limits import MAX_JSON_DEPTH, MAX_OPEN_ROLLOUT_BYTES, MAX_ROLLOUT
 from turnstile.output.recorder import Recorder, SealJob
 from turnstile.output.stitch import RolloutInfo
 from turnstile.proxy.admission import Admission
+from turnstile.proxy.assemble import WholeAnswer
 from turnstile.proxy.capture import (
     CHAT,
     CapturePlan,
@@ -128,6 +129,7 @@ class _Call:
     failover_from: str | None = None  # the dead backend the rollout was moved from
     aborted: str | None = None  # why a weight-update fence cut the call
     capture: ResponseCapture | None = None
+    streamed: bool = False  # the backend streams (the client's stream, or stream_whole_calls)
     own_version: bool = False  # the client named the call's policy version itself
     # Policy switches while the call was in flight: (new version, tokens each choice had
     # received by then); a whole call cannot place them (`policy_switch_unlocated`).
@@ -147,7 +149,7 @@ class _Call:
         stream's tokens received after a switch carry its version; a whole call's all
         carry the version it began with."""
         spans = [(0, self.policy_version)]
-        if not self.plan.stream:
+        if not self.streamed:
             return spans
         for version, counts in self.switches:
             start = counts.get(choice, 0)
@@ -192,10 +194,14 @@ class Proxy:
         max_open_rollout_bytes: int = MAX_OPEN_ROLLOUT_BYTES,
         admission: Admission | None = None,
         backend_pause: bool = False,
+        stream_whole_calls: bool = False,
     ) -> None:
         self.backend = backend
         self.fence = Fence()
         self._backend_pause = backend_pause  # drive the backend's /pause and /resume
+        # Whole calls go upstream as streams (`turnstile.proxy.assemble`): a policy switch
+        # then falls between two of their tokens.
+        self._stream_whole_calls = stream_whole_calls
         self._live: dict[str, tuple[_Call, BackendResponse]] = {}  # calls being relayed
         self._calls: dict[str, _Call] = {}  # every call in flight, from admission to record
         self.admission = admission or Admission(None, 0, policy_version)
@@ -505,6 +511,10 @@ class Proxy:
         self.recorder.admit()
         request = dict(body)  # the client's request, before the recording fields are added
         plan = plan_request(endpoint, body, self.top_logprobs)
+        assembled = self._stream_whole_calls and not plan.stream
+        if assembled:
+            body["stream"] = True
+            body["stream_options"] = {"include_usage": True}  # the whole answer's usage
         try:  # what the backend gets; also proves the request can be recorded as JSON
             payload = orjson.dumps(body)
         except orjson.JSONEncodeError as exc:
@@ -527,6 +537,7 @@ class Proxy:
             received_at=received_at,
             t0=t0,
             own_version=policy_version is not None,
+            streamed=plan.stream or assembled,
         )
         self.in_flight += 1
         self.idle.clear()
@@ -564,7 +575,70 @@ class Proxy:
                 self._relay_stream(call, capture, resp),
                 call.headers,
             )
+        if assembled:
+            return await self._relay_assembled(call, capture, resp)
         return await self._relay_whole(call, capture, resp)
+
+    async def _relay_assembled(
+        self, call: _Call, capture: ResponseCapture, resp: BackendResponse
+    ) -> Relay:
+        """A whole call streamed upstream (`stream_whole_calls`): read the stream, record
+        it, answer the assembled whole body."""
+        parser = SSEParser()
+        whole = WholeAnswer(call.endpoint)
+        done = False
+        try:
+            async for chunk in resp.iter_chunks():
+                for event in parser.feed(chunk):
+                    data = event.data
+                    if data is None:
+                        continue
+                    if data.strip() == DONE:
+                        done = True
+                        break
+                    try:
+                        obj = orjson.loads(data)
+                    except orjson.JSONDecodeError as exc:
+                        raise BackendValueError(
+                            f"the backend sent a stream event that is not JSON: {exc}"
+                        ) from None
+                    if not isinstance(obj, dict):
+                        continue
+                    if "error" in obj and not obj.get("choices"):
+                        raise BackendError(f"the backend's stream failed: {_error_message(obj)}")
+                    capture.add(obj, chunk=True)
+                    whole.add(obj)
+                    if call.t_first is None and any(c.token_ids for c in capture.choices.values()):
+                        call.t_first = time.perf_counter()
+                if done:
+                    break
+            if not done and call.aborted is None:
+                raise BackendError("the backend closed the stream before [DONE]")
+        except (BackendError, SSEError) as exc:
+            if call.aborted is None:
+                message = exc.message if isinstance(exc, BackendError) else str(exc)
+                self._finish(call, capture, TurnStatus.ERROR, message, 502)
+                raise BackendError(message) from None
+        except Exception as exc:
+            self._finish(call, capture, TurnStatus.ERROR, _internal(exc), 500)
+            raise
+        except BaseException:
+            self._finish(call, capture, TurnStatus.ABORTED, "request cancelled", 499)
+            raise
+        finally:
+            resp.close()
+        if not done:  # a weight-update fence cut it: its tokens so far are kept
+            reason = call.aborted or "cut by a weight update"
+            self._finish(call, capture, TurnStatus.ABORTED, reason, Overloaded.status)
+            raise Overloaded(reason, retry_after_s=FENCE_RETRY_AFTER_S)
+        obj = whole.answer(capture)
+        if call.plan.needs_strip:
+            call.plan.strip(obj)
+        raw = orjson.dumps(obj)
+        answer = Answer(resp.status, _JSON, [raw], call.headers)
+        self._finish(call, capture, TurnStatus.OK, None, resp.status, answer)
+        await self._acknowledge(call)  # acknowledged means journaled
+        return Relay(resp.status, _JSON, raw, call.headers)
 
     async def _relay_whole(
         self, call: _Call, capture: ResponseCapture, resp: BackendResponse
@@ -780,7 +854,7 @@ class Proxy:
             error=error,
             backend=call.served_by,
             backend_failover_from=call.failover_from,
-            policy_switch_unlocated=bool(call.switches) and not call.plan.stream,
+            policy_switch_unlocated=bool(call.switches) and not call.streamed,
         )
         model = capture.model or str(req.get("model") or "")
         if not capture.choices:
