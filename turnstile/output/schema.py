@@ -205,7 +205,7 @@ TURNS_COLUMNS: Final[tuple[Column, ...]] = (
         "Per-token policy versions: (`start`, `version`) runs, `start` the index of the "
         "run's first token in `completion_token_ids`, in order, the first at 0. A stream's "
         "tokens received after a `keep` switch carry the new version; `policy_version` "
-        "is the first run's version at the call's start. Null in shards before version 4.",
+        "stays the version current when the call began. Null in shards before version 4.",
     ),
     Column(
         "policy_switch_unlocated",
