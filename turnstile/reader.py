@@ -104,7 +104,10 @@ _SAMPLE_ARRAY_COLUMNS: Final[tuple[str, ...]] = (
     "rewards",
     "reward",
     "policy_versions",
+    "policy_version_spans",
 )
+# The version of a token that was not sampled (prompt, padding, aborted turns).
+NO_VERSION: Final[int] = -1
 
 
 class ShardFormatError(ValueError):
@@ -129,6 +132,8 @@ class SampleArrays(TypedDict):
     rewards: dict[str, float]
     reward: float | None
     policy_versions: npt.NDArray[np.int64]
+    # the version that sampled each token of input_ids (NO_VERSION off the loss mask)
+    behavior_versions: npt.NDArray[np.int64]
 
 
 def rewards_dict(struct_list: pa.Scalar | Sequence[Mapping[str, Any]] | None) -> dict[str, float]:
@@ -502,6 +507,25 @@ def list_parts(
     return values, offsets
 
 
+def spread_versions(
+    spans: Sequence[Mapping[str, int]] | None, loss_mask: npt.NDArray[np.int8]
+) -> npt.NDArray[np.int64] | None:
+    """Per-token versions from a sample's ``policy_version_spans`` (``start``, ``version``
+    runs over ``input_ids``): each sampled token gets the run it falls in, the others
+    ``NO_VERSION``. None when the sample has none (shards before version 4, samples made
+    without them): its sampled tokens then carry ``min_policy_version``."""
+    if not spans:
+        return None
+    out = np.full(loss_mask.shape[0], NO_VERSION, dtype=np.int64)
+    starts = np.array([int(x["start"]) for x in spans], dtype=np.int64)
+    versions = np.array([int(x["version"]) for x in spans], dtype=np.int64)
+    positions = np.arange(loss_mask.shape[0])
+    run = np.searchsorted(starts, positions, side="right") - 1
+    sampled = (loss_mask > 0) & (run >= 0)
+    out[sampled] = versions[run[sampled]]
+    return out
+
+
 def sample_arrays_of(samples: pa.Table) -> Iterator[SampleArrays]:
     """Each row of a `samples` table (as `ShardReader.wait_for` returns) as numpy arrays
     plus its rewards and identifiers, like `ShardReader.sample_arrays`."""
@@ -521,7 +545,14 @@ def _batch_arrays(batch: pa.RecordBatch) -> Iterator[SampleArrays]:
     statuses = batch.column("rollout_status").to_pylist()
     rewards = batch.column("rewards").to_pylist()
     reward = batch.column("reward").to_pylist()
+    spans = batch.column("policy_version_spans").to_pylist()
     for i in range(batch.num_rows):
+        loss_mask = mask[mask_off[i] : mask_off[i + 1]].copy()
+        versions = vers[vers_off[i] : vers_off[i + 1]].copy()
+        per_token = spread_versions(spans[i], loss_mask)
+        if per_token is None:  # no spans (shards before version 4): the oldest turn's
+            low = int(versions.min()) if versions.size else NO_VERSION
+            per_token = np.where(loss_mask > 0, low, NO_VERSION).astype(np.int64)
         yield SampleArrays(
             rollout_id=rollout_ids[i],
             sample_index=indices[i],
@@ -529,11 +560,12 @@ def _batch_arrays(batch: pa.RecordBatch) -> Iterator[SampleArrays]:
             task_id=tasks[i],
             rollout_status=statuses[i],
             input_ids=ids[ids_off[i] : ids_off[i + 1]].copy(),
-            loss_mask=mask[mask_off[i] : mask_off[i + 1]].copy(),
+            loss_mask=loss_mask,
             behavior_logprobs=logp[logp_off[i] : logp_off[i + 1]].copy(),
             rewards=rewards_dict(rewards[i]),
             reward=reward[i],
-            policy_versions=vers[vers_off[i] : vers_off[i + 1]].copy(),
+            policy_versions=versions,
+            behavior_versions=per_token,
         )
 
 

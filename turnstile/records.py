@@ -103,6 +103,15 @@ class TurnRecord:
     # one the rollout was moved away from when this call failed over
     backend: str | None = None
     backend_failover_from: str | None = None
+    # (first completion token, policy version) of each run of tokens sampled under one
+    # version, in order; empty means all of it under `policy_version`
+    policy_version_spans: list[tuple[int, int]] = field(default_factory=list)
+    # a whole (non-streamed) call that a policy switch fell inside: where is not known
+    policy_switch_unlocated: bool = False
+
+    def version_spans(self) -> list[tuple[int, int]]:
+        """`policy_version_spans`, or the one span of a turn sampled under one version."""
+        return self.policy_version_spans or [(0, self.policy_version)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +155,9 @@ class SampleRecord:
     break_detail: str | None
     parent_sample_index: int | None  # the sample this one breaks away from
     turn_statuses: list[str] = field(default_factory=list)
+    # (first index in input_ids, policy version) of each run of sampled tokens under one
+    # version, in order (the turns' `policy_version_spans` placed in the sample)
+    policy_version_spans: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)

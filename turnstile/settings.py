@@ -153,6 +153,11 @@ class Settings(BaseModel):
     # the backend's engine through its own /pause and /resume (vLLM with
     # VLLM_SERVER_DEV_MODE=1).
     backend_pause: bool = False
+    # Send whole (non-streamed) calls upstream as streams and assemble the whole answer
+    # for the client (turnstile.proxy.assemble), so that a policy switch during the call
+    # falls between two of its tokens (`policy_version_spans`). Off: such a call is
+    # recorded under the version it began with and flagged `policy_switch_unlocated`.
+    stream_whole_calls: bool = False
     drain_timeout_s: float = Field(default=limits.DRAIN_TIMEOUT_S, ge=0)
 
     @model_validator(mode="before")

@@ -114,3 +114,15 @@ def test_rescore_runs_on_a_tiny_dataset(
     assert cli.main([command, str(tmp_path / "missing"), "--backend", UNREACHABLE_BACKEND]) == (
         rescore.EXIT_BAD_INPUT
     )
+
+
+def test_serve_flag_streams_whole_calls() -> None:
+    from turnstile.cli import serve
+    from turnstile.settings import load_settings
+
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    on = serve._overrides(parser.parse_args(["--stream-whole-calls"]))
+    assert load_settings(None, on, environ={}).stream_whole_calls is True
+    off = serve._overrides(parser.parse_args([]))
+    assert load_settings(None, off, environ={}).stream_whole_calls is False

@@ -469,6 +469,13 @@ def turn_records(draw: Callable[..., Any]) -> TurnRecord:
         group_id=draw(opt_text),
         top_logprob_ids=draw(st.none() | ragged_ints),
         top_logprob_values=draw(st.none() | ragged_floats),
+        policy_version_spans=draw(
+            st.lists(
+                st.tuples(st.integers(0, 2**31 - 1), st.integers(-(2**63), 2**63 - 1)),
+                max_size=4,
+            )
+        ),
+        policy_switch_unlocated=draw(st.booleans()),
     )
 
 

@@ -181,8 +181,8 @@ def _forge(out: Path, version: str | None) -> None:
 
 
 def test_newer_schema_version_is_refused(out: Path) -> None:
-    _forge(out, "4")
-    with pytest.raises(SchemaVersionError, match=r"newer schema version 4.*understands version 3"):
+    _forge(out, "5")
+    with pytest.raises(SchemaVersionError, match=r"newer schema version 5.*understands version 4"):
         open_output(out).samples()
     assert open_output(out).turns().num_rows == 3  # other tables are unaffected
 
@@ -197,6 +197,26 @@ def test_version_2_rollouts_read_with_a_null_group_size(tmp_path: Path) -> None:
     )
     rows = open_output(tmp_path).rollouts().to_pylist()
     assert len(rows) == 1 and rows[0]["group_size"] is None
+
+
+def test_version_3_shards_read_without_per_token_versions(out: Path, tmp_path: Path) -> None:
+    old = tmp_path / "old"
+    for table_name in ("samples", "turns"):
+        (old / table_name).mkdir(parents=True)
+        for path in (out / table_name).glob("part-*.parquet"):
+            table = pq.read_table(path).drop_columns(
+                [c for c in ("policy_version_spans", "policy_switch_unlocated")]
+                if table_name == "turns"
+                else ["policy_version_spans"]
+            )
+            meta = {**table.schema.metadata, b"turnstile.schema_version": b"3"}
+            pq.write_table(table.replace_schema_metadata(meta), old / table_name / path.name)
+    turns = open_output(old).turns().to_pylist()
+    assert turns and all(t["policy_version_spans"] is None for t in turns)
+    for arrays in open_output(old).sample_arrays():  # the oldest turn's version, per token
+        mask = arrays["loss_mask"] > 0
+        assert (arrays["behavior_versions"][mask] == arrays["policy_versions"].min()).all()
+        assert (arrays["behavior_versions"][~mask] == -1).all()
 
 
 def test_foreign_files_are_refused(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from turnstile.output.shards import ParquetShardSink
+from turnstile.reader import open_output
 from turnstile.records import BreakKind, Reward, RolloutStatus, SampleRecord, TokenSource, TurnSpan
 from turnstile.train import batches
 from turnstile.train.dataset import ShardFollower
@@ -279,3 +280,46 @@ def test_batches_carry_the_rollout_order() -> None:
     for b in (batches.pad_batch(samples), batches.pack_batch(samples)):
         assert b["rollout_index"].tolist() == [0, 1, 0]
         assert b["sample_index"].tolist() == [0, 0, 1]
+
+
+def _two_version_record(rollout_id: str) -> SampleRecord:
+    """A sample whose 6 sampled tokens came from version 2 (3 tokens), then version 5."""
+    rec = record(rollout_id, "g", [1, 2], [10, 11, 12, 13, 14, 15], {"correct": 1.0}, 2)
+    rec.policy_version_spans = [(2, 2), (5, 5)]
+    return rec
+
+
+def test_per_token_versions_are_read_back_and_laid_out(tmp_path: Path) -> None:
+    write_shard(tmp_path, [_two_version_record("a"), record("b", "g", [1], [9, 8], {}, 4)])
+    a, b = load(tmp_path)
+    assert a.token_versions().tolist() == [-1, -1, 2, 2, 2, 5, 5, 5]
+    assert a.token_staleness(6).tolist() == [0, 0, 4, 4, 4, 1, 1, 1]
+    assert b.token_versions().tolist() == [-1, 4, 4]  # no spans written: the turn's version
+    padded = batches.pad_batch([a, b])
+    assert padded["behavior_versions"].tolist() == [
+        [-1, -1, 2, 2, 2, 5, 5, 5],
+        [-1, 4, 4, -1, -1, -1, -1, -1],
+    ]
+    packed = batches.pack_batch([a, b])
+    assert packed["behavior_versions"][0].tolist() == [-1, -1, 2, 2, 2, 5, 5, 5, -1, 4, 4]
+    arrays = list(open_output(tmp_path).sample_arrays())  # the reader gives them too
+    assert [x["behavior_versions"].tolist() for x in arrays] == [
+        [-1, -1, 2, 2, 2, 5, 5, 5],
+        [-1, 4, 4],
+    ]
+
+
+def test_stale_tokens_leave_the_loss_token_by_token(tmp_path: Path) -> None:
+    write_shard(tmp_path, [_two_version_record("a")])
+    (a,) = load(tmp_path)
+    a.advantages = np.where(a.loss_mask > 0, 1.0, 0.0)
+    assert batches.mask_stale_tokens([a], current_version=6, max_staleness=1) == 3
+    assert a.loss_mask.tolist() == [0, 0, 0, 0, 0, 1, 1, 1]  # version 2 is 4 behind
+    assert a.advantages.tolist() == [0, 0, 0, 0, 0, 1, 1, 1]
+    assert a.token_versions().tolist() == [-1, -1, -1, -1, -1, 5, 5, 5]
+    assert batches.mask_stale_tokens([a], current_version=6, max_staleness=1) == 0
+    assert batches.mask_stale_tokens([a], current_version=7, max_staleness=2) == 0
+    assert batches.mask_stale_tokens([a], current_version=7, max_staleness=1) == 3
+    assert a.num_loss_tokens == 0
+    with pytest.raises(ValueError, match="max_staleness"):
+        batches.mask_stale_tokens([a], 7, -1)

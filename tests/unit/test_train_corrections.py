@@ -210,3 +210,27 @@ def test_kl_penalty_is_a_token_mean() -> None:
     k3 = float(losses.kl_penalty(logp, ref, mask, "k3").detach())
     assert k3 == pytest.approx(0.10653, abs=1e-5)
     assert float(losses.kl_penalty(logp, ref, mask, "k1").detach()) == pytest.approx(0.5)
+
+
+def test_stale_tokens_leave_the_corrections_and_the_proximal_kl_loss() -> None:
+    versions = np.array([[-1, 3, 3, 5, 5]])
+    mask = np.array([[0, 1, 1, 1, 1]])
+    assert corr.token_staleness(versions, 5, mask).tolist() == [[0, 2, 2, 0, 0]]
+    fresh = corr.fresh_token_mask(mask, versions, 5, 1)
+    assert fresh.tolist() == [[0, 0, 0, 1, 1]]
+    # The sequence ratio runs over the fresh tokens only.
+    old = np.array([[0.0, -1.0, -1.0, -1.0, -1.0]])
+    mu = np.array([[0.0, -3.0, -3.0, -1.5, -1.5]])
+    assert corr.sequence_log_ratio(old, mu, fresh)[0] == pytest.approx(1.0)
+    assert corr.sequence_log_ratio(old, mu, mask)[0] == pytest.approx(5.0)
+    t = torch.tensor
+    logp = t(old, requires_grad=True)
+    args = (logp, t(old), t(mu), t(old), t(np.ones_like(old)), t(mask))
+    cfg = losses.ProximalKLConfig(correction="sequence_tis", max_token_staleness=1)
+    out = losses.proximal_kl_loss(*args, cfg, behavior_versions=t(versions), current_version=5)
+    assert out.mask.tolist() == [[False, False, False, True, True]]
+    assert out.weights[0, 1:3].tolist() == [0.0, 0.0]
+    everything = losses.proximal_kl_loss(*args, losses.ProximalKLConfig(correction="sequence_tis"))
+    assert everything.mask.sum() == 4
+    with pytest.raises(ValueError, match="behavior_versions"):
+        losses.proximal_kl_loss(*args, cfg)

@@ -299,6 +299,7 @@ class Reply:
     no_token_ids: bool = False  # behave like a backend that returns no IDs
     tool_calls: list[dict[str, Any]] | None = None  # streamed after the text, one per chunk
     reasoning: str | None = None  # streamed before the text, a character per chunk
+    whole_delay_s: float = 0.0  # a whole answer: seconds before its body arrives
 
 
 @dataclass
@@ -401,7 +402,9 @@ class FakeVLLM:
                 )
             )
         whole = self._whole(parsed, reply, prompt_text, n, chat)
-        return self._keep(FakeResponse(200, JSON_HEADERS, [orjson.dumps(whole)]))
+        return self._keep(
+            FakeResponse(200, JSON_HEADERS, [orjson.dumps(whole)], delay_s=reply.whole_delay_s)
+        )
 
     async def aclose(self) -> None:
         self.closed = True
@@ -517,9 +520,11 @@ class FakeVLLM:
                 )
                 events.append(completion_chunk("cmpl-fake", model, choice))
         options = body.get("stream_options")
-        if chat and isinstance(options, dict) and options.get("include_usage"):
+        if isinstance(options, dict) and options.get("include_usage"):
             completion_tokens = sum(len(self.completion_ids(reply, c)) for c in range(n))
-            usage_chunk = _chunk("chatcmpl-fake", model, [])
+            usage_chunk = _chunk("chatcmpl-fake" if chat else "cmpl-fake", model, [])
+            if not chat:
+                usage_chunk["object"] = "text_completion"
             usage_chunk["usage"] = usage(len(prompt_text), completion_tokens)
             events.append(usage_chunk)
         return [*(sse_event(e) for e in events), SSE_DONE]

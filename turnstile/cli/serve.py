@@ -101,6 +101,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-logprobs", type=int, help="also record the top-k logprobs (0-20)")
     p.add_argument("--policy-version", type=int, help="initial policy version (default 0)")
     p.add_argument(
+        "--stream-whole-calls",
+        action="store_true",
+        default=None,
+        help="send whole calls upstream as streams and assemble the answer, so a policy "
+        "switch during one is placed per token (default off)",
+    )
+    p.add_argument(
         "--backend-api-key-env",
         metavar="NAME",
         help="name of the environment variable holding the backend's API key",
@@ -157,6 +164,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         "tool_parser": args.tool_parser,
         "reasoning_parser": args.reasoning_parser,
         "policy_version": args.policy_version,
+        "stream_whole_calls": args.stream_whole_calls,
         "backend_api_key_env": args.backend_api_key_env,
         "writer_id": args.writer_id,
         "api_key_env": args.api_key_env,

@@ -223,6 +223,10 @@ def encode_turn(record: TurnRecord) -> bytes:
         header["backend"] = record.backend
     if record.backend_failover_from is not None:
         header["backend_failover_from"] = record.backend_failover_from
+    if record.policy_version_spans:  # absent in frames written before per-token versions
+        header["policy_version_spans"] = [[int(a), int(v)] for a, v in record.policy_version_spans]
+    if record.policy_switch_unlocated:
+        header["policy_switch_unlocated"] = True
     ttft = 0.0 if t.ttft_s is None else t.ttft_s
     blocks: list[bytes | memoryview] = [
         _raw(record.prompt_token_ids, _I32, "prompt_token_ids"),
@@ -263,7 +267,24 @@ def decode_turn(data: bytes) -> TurnRecord:
         top_logprob_values=top_values,
         backend=_optional_str(header, "backend"),
         backend_failover_from=_optional_str(header, "backend_failover_from"),
+        policy_version_spans=_version_spans(header),
+        policy_switch_unlocated=_field(header, "policy_switch_unlocated", bool)
+        if "policy_switch_unlocated" in header
+        else False,
     )
+
+
+def _version_spans(header: dict[str, Any]) -> list[tuple[int, int]]:
+    """A turn's (first token, version) spans; [] in frames written before they existed."""
+    if "policy_version_spans" not in header:
+        return []
+    spans = _field(header, "policy_version_spans", list)
+    out: list[tuple[int, int]] = []
+    for span in spans:
+        if not isinstance(span, list) or len(span) != 2 or not all(type(x) is int for x in span):
+            raise CodecError(f"a policy version span must be two integers, not {span!r:.60}")
+        out.append((span[0], span[1]))
+    return out
 
 
 def _optional_str(header: dict[str, Any], key: str) -> str | None:

@@ -33,11 +33,12 @@ from turnstile.records import (
     TurnSpan,
 )
 
-SCHEMA_VERSION: Final[int] = 3
+SCHEMA_VERSION: Final[int] = 4
 # Versions a reader of this version reads: version 1 lacks the turns' `backend` and
-# `backend_failover_from` columns, versions 1 and 2 the rollouts' `group_size`; they read
-# as null.
-READABLE_SCHEMA_VERSIONS: Final[frozenset[int]] = frozenset({1, 2, 3})
+# `backend_failover_from` columns, versions 1 and 2 the rollouts' `group_size`, versions
+# 1 to 3 the per-token versions (`policy_version_spans`, `policy_switch_unlocated`); they
+# read as null.
+READABLE_SCHEMA_VERSIONS: Final[frozenset[int]] = frozenset({1, 2, 3, 4})
 
 TableName = Literal["turns", "samples", "rollouts", "quarantine"]
 # The data tables a trainer reads.
@@ -110,6 +111,14 @@ TURN_SPAN_TYPE: Final[pa.StructType] = pa.struct(
     ]
 )
 TURN_SPANS_TYPE: Final[pa.ListType] = pa.list_(TURN_SPAN_TYPE)
+
+VERSION_SPAN_TYPE: Final[pa.StructType] = pa.struct(
+    [
+        pa.field("start", pa.int32(), nullable=False),
+        pa.field("version", pa.int64(), nullable=False),
+    ]
+)
+VERSION_SPANS_TYPE: Final[pa.ListType] = pa.list_(VERSION_SPAN_TYPE)
 
 _TS: Final[pa.DataType] = pa.timestamp("us", tz="UTC")
 _STR: Final[pa.DataType] = pa.string()
@@ -189,6 +198,24 @@ TURNS_COLUMNS: Final[tuple[Column, ...]] = (
         "Base URL of the dead backend the rollout was moved away from by this call; "
         "null when the call stayed on its rollout's backend.",
     ),
+    Column(
+        "policy_version_spans",
+        VERSION_SPANS_TYPE,
+        True,
+        "Per-token policy versions: (`start`, `version`) runs, `start` the index of the "
+        "run's first token in `completion_token_ids`, in order, the first at 0. A stream's "
+        "tokens received after a `keep` switch carry the new version; `policy_version` "
+        "stays the version current when the call began. Null in shards before version 4.",
+    ),
+    Column(
+        "policy_switch_unlocated",
+        pa.bool_(),
+        True,
+        "True for a whole (non-streamed) call that a policy switch fell inside: its tokens "
+        "are all recorded under the version it began with, but the later ones may have "
+        "been sampled by the next (with `stream_whole_calls` on, the switch is placed). "
+        "Null in shards before version 4.",
+    ),
 )
 
 SAMPLES_COLUMNS: Final[tuple[Column, ...]] = (
@@ -222,6 +249,15 @@ SAMPLES_COLUMNS: Final[tuple[Column, ...]] = (
     Column("policy_versions", _VERSIONS, False, "Policy version of each stitched turn."),
     Column("min_policy_version", _I64, True, "Smallest of `policy_versions`."),
     Column("max_policy_version", _I64, True, "Largest of `policy_versions`."),
+    Column(
+        "policy_version_spans",
+        VERSION_SPANS_TYPE,
+        True,
+        "Per-token behaviour versions of the sampled tokens: (`start`, `version`) runs, "
+        "`start` an index in `input_ids`; a run lasts until the next run or the end of its "
+        "turn's completion (`turn_spans`). Prompt tokens (loss mask 0) carry no version. "
+        "Null in shards before version 4.",
+    ),
     Column(
         "break_kind",
         _STR,
@@ -466,6 +502,12 @@ def _turn_spans(rows: Sequence[Sequence[TurnSpan]]) -> pa.Array:
     return _struct_list(rows, TURN_SPANS_TYPE, children)
 
 
+def _version_spans(rows: Sequence[Sequence[tuple[int, int]]]) -> pa.Array:
+    flat = [s for row in rows for s in row]
+    children: list[list[object]] = [[s[0] for s in flat], [s[1] for s in flat]]
+    return _struct_list(rows, VERSION_SPANS_TYPE, children)
+
+
 def _strings(values: Sequence[str | None]) -> pa.Array:
     return pa.array(values, type=pa.string())
 
@@ -546,6 +588,10 @@ def turns_table(
         "total_s": pa.array([r.timings.total_s for r in records], type=f64),
         "backend": _strings([r.backend for r in records]),
         "backend_failover_from": _strings([r.backend_failover_from for r in records]),
+        "policy_version_spans": _version_spans([r.version_spans() for r in records]),
+        "policy_switch_unlocated": pa.array(
+            [r.policy_switch_unlocated for r in records], type=pa.bool_()
+        ),
     }
     return _table("turns", arrays, identity)
 
@@ -591,6 +637,7 @@ def samples_table(
         "max_policy_version": pa.array(
             [max(r.policy_versions, default=None) for r in records], type=i64
         ),
+        "policy_version_spans": _version_spans([r.policy_version_spans for r in records]),
         "break_kind": _strings([_text(r.break_kind) for r in records]),
         "break_position": pa.array([r.break_position for r in records], type=i32),
         "break_detail": _strings([r.break_detail for r in records]),

@@ -46,6 +46,7 @@ class _Chain:
     logprobs: list[np.ndarray] = field(default_factory=list)
     spans: list[TurnSpan] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    version_spans: list[tuple[int, int]] = field(default_factory=list)
     statuses: list[str] = field(default_factory=list)
     length: int = 0
     context: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
@@ -79,6 +80,10 @@ class _Chain:
             TurnSpan(turn.turn_index, turn.choice_index, start, completion_start, self.length)
         )
         self.versions.append(turn.policy_version)
+        if sampled:  # the sampled tokens' versions, placed in input_ids
+            for first, version in turn.version_spans():
+                if first < len(completion):
+                    self.version_spans.append((completion_start + first, version))
         self.statuses.append(turn.status.value)
         self.context = np.concatenate([prompt, completion]).astype(np.int32, copy=False)
         self.last = turn
@@ -384,4 +389,5 @@ def _to_sample(info: RolloutInfo, chain: _Chain) -> SampleRecord:
         break_detail=chain.break_detail,
         parent_sample_index=chain.parent,
         turn_statuses=chain.statuses,
+        policy_version_spans=chain.version_spans,
     )

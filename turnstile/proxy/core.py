@@ -35,6 +35,7 @@ from turnstile.errors import (
     BackendError,
     BackendValueError,
     BadRequest,
+    Conflict,
     Overloaded,
     TurnstileError,
     Unprocessable,
@@ -48,6 +49,7 @@ from turnstile.limits import MAX_JSON_DEPTH, MAX_OPEN_ROLLOUT_BYTES, MAX_ROLLOUT
 from turnstile.output.recorder import Recorder, SealJob
 from turnstile.output.stitch import RolloutInfo
 from turnstile.proxy.admission import Admission
+from turnstile.proxy.assemble import WholeAnswer
 from turnstile.proxy.capture import (
     CHAT,
     CapturePlan,
@@ -62,6 +64,7 @@ from turnstile.proxy.fencing import (
     FENCE_RETRY_AFTER_S,
     Fence,
     FenceMode,
+    SwitchMode,
 )
 from turnstile.proxy.retries import Answer, AnswerCache, answer_key, is_retry
 from turnstile.proxy.rollouts import Rollout, RolloutRegistry
@@ -125,6 +128,42 @@ class _Call:
     served_by: str | None = None  # the backend of a pool that answered
     failover_from: str | None = None  # the dead backend the rollout was moved from
     aborted: str | None = None  # why a weight-update fence cut the call
+    capture: ResponseCapture | None = None
+    streamed: bool = False  # the backend streams (the client's stream, or stream_whole_calls)
+    own_version: bool = False  # the client named the call's policy version itself
+    # Policy switches while the call was in flight: (new version, tokens each choice had
+    # received by then); a whole call cannot place them (`policy_switch_unlocated`).
+    switches: list[tuple[int, dict[int, int]]] = field(default_factory=list)
+
+    def note_switch(self, version: int) -> None:
+        """The policy version changed now: tokens received from now on carry `version`."""
+        if self.own_version or version == (
+            self.switches[-1][0] if self.switches else self.policy_version
+        ):
+            return
+        choices = {} if self.capture is None else self.capture.choices
+        self.switches.append((version, {i: len(c.token_ids) for i, c in choices.items()}))
+
+    def version_spans(self, choice: int, n_tokens: int) -> list[tuple[int, int]]:
+        """(first token, version) runs of one choice's `n_tokens` completion tokens: a
+        stream's tokens received after a switch carry its version; a whole call's all
+        carry the version it began with."""
+        spans = [(0, self.policy_version)]
+        if not self.streamed:
+            return spans
+        for version, counts in self.switches:
+            start = counts.get(choice, 0)
+            if start >= n_tokens:
+                break  # no token arrived after this switch (nor after any later one)
+            if spans[-1][0] == start:
+                spans[-1] = (start, version)  # no token under the previous version
+            else:
+                spans.append((start, version))
+        merged = spans[:1]
+        for start, version in spans[1:]:
+            if version != merged[-1][1]:
+                merged.append((start, version))
+        return merged
 
     @property
     def headers(self) -> dict[str, str]:
@@ -155,11 +194,16 @@ class Proxy:
         max_open_rollout_bytes: int = MAX_OPEN_ROLLOUT_BYTES,
         admission: Admission | None = None,
         backend_pause: bool = False,
+        stream_whole_calls: bool = False,
     ) -> None:
         self.backend = backend
         self.fence = Fence()
         self._backend_pause = backend_pause  # drive the backend's /pause and /resume
+        # Whole calls go upstream as streams (`turnstile.proxy.assemble`): a policy switch
+        # then falls between two of their tokens.
+        self._stream_whole_calls = stream_whole_calls
         self._live: dict[str, tuple[_Call, BackendResponse]] = {}  # calls being relayed
+        self._calls: dict[str, _Call] = {}  # every call in flight, from admission to record
         self.admission = admission or Admission(None, 0, policy_version)
         self.recorder = recorder
         self.top_logprobs = top_logprobs
@@ -236,12 +280,50 @@ class Proxy:
         log.info("%s", rebuilt.summary())
 
     # -- durability -------------------------------------------------------------------
-    async def set_policy_version(self, version: int) -> None:
-        """Make `version` the policy version of new turns, durably (it survives a crash)."""
+    async def set_policy_version(self, version: int) -> int:
+        """Make `version` the policy version of new turns, durably (it survives a crash).
+
+        Calls in flight go on: the tokens a stream receives from now on carry `version`
+        (`policy_version_spans`). Returns how many calls were in flight.
+        """
+        for call in self._calls.values():
+            call.note_switch(version)
+        in_flight = len(self._calls)
         seq = self.journal.append(PolicyVersionSet(version, time.time()))
         self._policy_version, self._policy_seq = version, seq
         self.admission.version_changed(version)
         await self.journal.durable(seq)
+        return in_flight
+
+    async def switch_policy_version(self, version: int, mode: SwitchMode) -> dict[str, Any]:
+        """`POST /admin/policy_version`: switch to `version` in one call, in `mode`
+        (`turnstile.proxy.fencing`): `keep` switches at once; `pause` and `abort` close
+        the fence as `pause` does, switch, and open it again."""
+        if mode == "keep":
+            in_flight = await self.set_policy_version(version)
+            log.info("policy version set to %d (keep, %d in flight)", version, in_flight)
+            return {
+                "policy_version": self.policy_version,
+                "mode": mode,
+                "in_flight_at_switch": in_flight,
+                "aborted": 0,
+                "drain_s": 0.0,
+            }
+        if self.fence.closed:
+            raise Conflict(
+                f"a weight update in mode {self.fence.mode!r} is under way "
+                "(POST /admin/pause): end it with POST /admin/resume {policy_version}",
+                param="mode",
+            )
+        paused = await self.pause(mode)
+        resumed = await self.resume(version)
+        return {
+            "policy_version": resumed["policy_version"],
+            "mode": mode,
+            "in_flight_at_switch": paused["in_flight_at_pause"],
+            "aborted": paused["aborted"],
+            "drain_s": paused["drain_s"],
+        }
 
     # -- weight updates ------------------------------------------------------------------
     async def pause(self, mode: FenceMode) -> dict[str, Any]:
@@ -429,6 +511,10 @@ class Proxy:
         self.recorder.admit()
         request = dict(body)  # the client's request, before the recording fields are added
         plan = plan_request(endpoint, body, self.top_logprobs)
+        assembled = self._stream_whole_calls and not plan.stream
+        if assembled:
+            body["stream"] = True
+            body["stream_options"] = {"include_usage": True}  # the whole answer's usage
         try:  # what the backend gets; also proves the request can be recorded as JSON
             payload = orjson.dumps(body)
         except orjson.JSONEncodeError as exc:
@@ -450,13 +536,16 @@ class Proxy:
             plan=plan,
             received_at=received_at,
             t0=t0,
+            own_version=policy_version is not None,
+            streamed=plan.stream or assembled,
         )
         self.in_flight += 1
         self.idle.clear()
         if key is not None:
             call.answer_key = key
             self.answers.begin(key)
-        capture = ResponseCapture(plan)
+        capture = call.capture = ResponseCapture(plan)
+        self._calls[call.turn_id] = call
         try:
             call.t_sent = time.perf_counter()
             affinity = ROLLOUT_AFFINITY.set(rollout.rollout_id)  # a pool routes on it
@@ -486,7 +575,70 @@ class Proxy:
                 self._relay_stream(call, capture, resp),
                 call.headers,
             )
+        if assembled:
+            return await self._relay_assembled(call, capture, resp)
         return await self._relay_whole(call, capture, resp)
+
+    async def _relay_assembled(
+        self, call: _Call, capture: ResponseCapture, resp: BackendResponse
+    ) -> Relay:
+        """A whole call streamed upstream (`stream_whole_calls`): read the stream, record
+        it, answer the assembled whole body."""
+        parser = SSEParser()
+        whole = WholeAnswer(call.endpoint)
+        done = False
+        try:
+            async for chunk in resp.iter_chunks():
+                for event in parser.feed(chunk):
+                    data = event.data
+                    if data is None:
+                        continue
+                    if data.strip() == DONE:
+                        done = True
+                        break
+                    try:
+                        obj = orjson.loads(data)
+                    except orjson.JSONDecodeError as exc:
+                        raise BackendValueError(
+                            f"the backend sent a stream event that is not JSON: {exc}"
+                        ) from None
+                    if not isinstance(obj, dict):
+                        continue
+                    if "error" in obj and not obj.get("choices"):
+                        raise BackendError(f"the backend's stream failed: {_error_message(obj)}")
+                    capture.add(obj, chunk=True)
+                    whole.add(obj)
+                    if call.t_first is None and any(c.token_ids for c in capture.choices.values()):
+                        call.t_first = time.perf_counter()
+                if done:
+                    break
+            if not done and call.aborted is None:
+                raise BackendError("the backend closed the stream before [DONE]")
+        except (BackendError, SSEError) as exc:
+            if call.aborted is None:
+                message = exc.message if isinstance(exc, BackendError) else str(exc)
+                self._finish(call, capture, TurnStatus.ERROR, message, 502)
+                raise BackendError(message) from None
+        except Exception as exc:
+            self._finish(call, capture, TurnStatus.ERROR, _internal(exc), 500)
+            raise
+        except BaseException:
+            self._finish(call, capture, TurnStatus.ABORTED, "request cancelled", 499)
+            raise
+        finally:
+            resp.close()
+        if not done:  # a weight-update fence cut it: its tokens so far are kept
+            reason = call.aborted or "cut by a weight update"
+            self._finish(call, capture, TurnStatus.ABORTED, reason, Overloaded.status)
+            raise Overloaded(reason, retry_after_s=FENCE_RETRY_AFTER_S)
+        obj = whole.answer(capture)
+        if call.plan.needs_strip:
+            call.plan.strip(obj)
+        raw = orjson.dumps(obj)
+        answer = Answer(resp.status, _JSON, [raw], call.headers)
+        self._finish(call, capture, TurnStatus.OK, None, resp.status, answer)
+        await self._acknowledge(call)  # acknowledged means journaled
+        return Relay(resp.status, _JSON, raw, call.headers)
 
     async def _relay_whole(
         self, call: _Call, capture: ResponseCapture, resp: BackendResponse
@@ -647,6 +799,7 @@ class Proxy:
             return
         call.done = True
         self._live.pop(call.turn_id, None)
+        self._calls.pop(call.turn_id, None)
         if call.answer_key is not None:
             self.answers.complete(call.answer_key, answer if status is TurnStatus.OK else None)
         self.in_flight -= 1
@@ -701,6 +854,7 @@ class Proxy:
             error=error,
             backend=call.served_by,
             backend_failover_from=call.failover_from,
+            policy_switch_unlocated=bool(call.switches) and not call.streamed,
         )
         model = capture.model or str(req.get("model") or "")
         if not capture.choices:
@@ -716,6 +870,7 @@ class Proxy:
                     stop_reason=None,
                     response_message_json=None,
                     response_text=None,
+                    policy_version_spans=[(0, call.policy_version)],
                     **common,
                 )
             ]
@@ -742,6 +897,7 @@ class Proxy:
                     response_text=None if is_chat else cap.text(),
                     top_logprob_ids=top_ids,
                     top_logprob_values=top_values,
+                    policy_version_spans=call.version_spans(index, len(ids)),
                     **common,
                 )
             )

@@ -9,8 +9,16 @@ weights to the backend, then `POST /admin/resume {"policy_version": N}`:
   are recorded as an `aborted` turn and the harness gets an error event it can retry; a
   whole answer not yet read is recorded `aborted` and the client gets 503 with
   Retry-After.
-- `keep` (plain `POST /admin/policy_version`, no fence): nothing waits; calls in flight
-  go on and are recorded under the version current when they began.
+- `keep` (`POST /admin/policy_version`, no fence): nothing waits; calls in flight go
+  on, and the tokens a stream receives after the switch carry the new version (the
+  turn's `policy_version_spans`; a whole call is flagged `policy_switch_unlocated`).
+
+`POST /admin/policy_version {"policy_version": N, "mode": "pause"|"abort"}` is the
+one-call form of a fence: close it, wait for the calls in flight (or cut them), switch,
+open it. It brackets no weight push, so it fits a push the backend applies between
+requests on its own; a trainer that pushes the weights itself uses the around-the-push
+form (`/admin/pause`, push, `/admin/resume`), the only one where no token is sampled by
+weights other than its recorded version.
 
 With `backend_pause` set, the proxy also drives vLLM's own `/pause?mode=wait|abort` and
 `/resume` (served by vLLM with `VLLM_SERVER_DEV_MODE=1`), so the engine itself stops
@@ -26,6 +34,8 @@ from typing import Final, Literal
 from turnstile.errors import Conflict, Overloaded
 
 FenceMode = Literal["pause", "abort"]
+# `POST /admin/policy_version`'s modes: `keep` (no fence) or a fence's, in one call.
+SwitchMode = Literal["keep", "pause", "abort"]
 
 # A new call waits this long at a closed fence, then gets 503 with Retry-After: longer
 # than a weight push (seconds to a few minutes), shorter than the clients' own timeouts.

@@ -189,6 +189,7 @@ def create_app(
             settings.admission,
         ),
         backend_pause=settings.backend_pause,
+        stream_whole_calls=settings.stream_whole_calls,
     )
     peers: dict[int, Backend] = {} if worker is None else peer_clients(worker, timeouts)
 

@@ -109,3 +109,9 @@ class Resume(_Body):
 
 class PolicyVersion(_Body):
     policy_version: int = Field(strict=True, ge=MIN_POLICY_VERSION, le=MAX_POLICY_VERSION)
+    mode: Literal["keep", "pause", "abort"] = Field(
+        default="keep",
+        description="keep: calls in flight go on, their tokens from now on carry the new "
+        "version; pause: new calls wait, calls in flight finish, then the switch; abort: "
+        "calls in flight are cut (recorded aborted), then the switch",
+    )

@@ -5,8 +5,11 @@
 verifier information, the group and the policy versions. ``pad_batch`` lays samples out
 as ``(B, L)`` arrays with an attention mask; ``pack_batch`` concatenates them into one row
 with restarting ``position_ids`` and ``cu_seqlens`` (the layout of varlen attention
-kernels). Per-token advantages (from ``turnstile.train.advantages``) travel along,
-aligned with ``loss_mask``. Numpy and pyarrow only; ``to_torch`` converts lazily.
+kernels). Each sampled token carries the policy version that sampled it
+(``behavior_versions``, from the samples' ``policy_version_spans``); ``mask_stale_tokens``
+takes tokens more than N versions old out of the loss. Per-token advantages (from
+``turnstile.train.advantages``) travel along, aligned with ``loss_mask``. Numpy and
+pyarrow only; ``to_torch`` converts lazily.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 
-from turnstile.reader import list_parts, rewards_dict
+from turnstile.reader import NO_VERSION, list_parts, rewards_dict, spread_versions
 from turnstile.train import advantages as adv
 
 # The columns of the samples table a TrainSample is built from.
@@ -36,6 +39,7 @@ SAMPLE_COLUMNS: Final[tuple[str, ...]] = (
     "policy_versions",
     "min_policy_version",
     "max_policy_version",
+    "policy_version_spans",
 )
 
 Batch = dict[str, npt.NDArray[Any]]
@@ -58,6 +62,10 @@ class TrainSample:
     policy_versions: npt.NDArray[np.int64]
     min_policy_version: int | None
     max_policy_version: int | None
+    # The policy version that sampled each token of input_ids (NO_VERSION off the mask);
+    # None: every sampled token under `min_policy_version` (shards before per-token
+    # versions).
+    behavior_versions: npt.NDArray[np.int64] | None = field(default=None, repr=False)
     # Per-token advantages on the input_ids layout (0 off the mask); set by the caller.
     advantages: npt.NDArray[np.float64] | None = field(default=None, repr=False)
 
@@ -74,6 +82,43 @@ class TrainSample:
         low = self.min_policy_version
         return 0 if low is None else current_version - low
 
+    def token_versions(self) -> npt.NDArray[np.int64]:
+        """The version that sampled each token (``NO_VERSION`` where ``loss_mask`` is 0)."""
+        if self.behavior_versions is not None:
+            return self.behavior_versions
+        low = NO_VERSION if self.min_policy_version is None else self.min_policy_version
+        return np.where(self.loss_mask > 0, low, NO_VERSION).astype(np.int64)
+
+    def token_staleness(self, current_version: int) -> npt.NDArray[np.int64]:
+        """Versions behind ``current_version`` per token (0 where ``loss_mask`` is 0)."""
+        versions = self.token_versions()
+        return np.where(versions == NO_VERSION, 0, current_version - versions).astype(np.int64)
+
+
+def mask_stale_tokens(
+    samples: Sequence[TrainSample], current_version: int, max_staleness: int
+) -> int:
+    """Take every token sampled more than ``max_staleness`` versions before
+    ``current_version`` out of the loss (``loss_mask`` 0, in place), token by token: a
+    stream that straddled a weight update keeps its fresh tokens. Advantages set before
+    are zeroed there too. Returns how many tokens were masked."""
+    if max_staleness < 0:
+        raise ValueError(f"max_staleness must be >= 0, not {max_staleness}")
+    masked = 0
+    for s in samples:
+        versions = s.token_versions()
+        stale = (s.loss_mask > 0) & (versions != NO_VERSION)
+        stale &= current_version - versions > max_staleness
+        n = int(np.count_nonzero(stale))
+        if not n:
+            continue
+        masked += n
+        s.behavior_versions = np.where(stale, NO_VERSION, versions).astype(np.int64)
+        s.loss_mask = np.where(stale, 0, s.loss_mask).astype(np.int8)
+        if s.advantages is not None:
+            s.advantages = np.where(stale, 0.0, s.advantages)
+    return masked
+
 
 def samples_from_batch(batch: pa.RecordBatch | pa.Table) -> Iterator[TrainSample]:
     """``TrainSample``s from a record batch holding at least ``SAMPLE_COLUMNS``."""
@@ -89,6 +134,7 @@ def samples_from_batch(batch: pa.RecordBatch | pa.Table) -> Iterator[TrainSample
             "rewards",
             "min_policy_version",
             "max_policy_version",
+            "policy_version_spans",
         )
     }
 
@@ -98,6 +144,7 @@ def samples_from_batch(batch: pa.RecordBatch | pa.Table) -> Iterator[TrainSample
     vers, vers_off = list_parts(cols["policy_versions"], np.int64)
     for i in range(batch.num_rows):
         items = lists["rewards"][i] or []
+        loss_mask = mask[mask_off[i] : mask_off[i + 1]].copy()
         yield TrainSample(
             rollout_id=lists["rollout_id"][i],
             sample_index=lists["sample_index"][i],
@@ -105,13 +152,14 @@ def samples_from_batch(batch: pa.RecordBatch | pa.Table) -> Iterator[TrainSample
             task_id=lists["task_id"][i],
             rollout_status=lists["rollout_status"][i],
             input_ids=ids[ids_off[i] : ids_off[i + 1]].copy(),
-            loss_mask=mask[mask_off[i] : mask_off[i + 1]].copy(),
+            loss_mask=loss_mask,
             behavior_logprobs=logp[logp_off[i] : logp_off[i + 1]].copy(),
             rewards=rewards_dict(items),
             reward_info={str(r["name"]): r.get("info") for r in items},
             policy_versions=vers[vers_off[i] : vers_off[i + 1]].copy(),
             min_policy_version=lists["min_policy_version"][i],
             max_policy_version=lists["max_policy_version"][i],
+            behavior_versions=spread_versions(lists["policy_version_spans"][i], loss_mask),
         )
 
 
@@ -330,7 +378,9 @@ def pad_batch(
     Keys: ``input_ids`` (int64), ``attention_mask`` and ``loss_mask`` (int64, 0 on padding),
     ``position_ids``, ``behavior_logprobs`` (float32, 0 where the mask is 0),
     ``advantages`` (float32), ``group_index`` (int64, dense per group id),
-    ``policy_version`` (int64, each sample's oldest turn; -1 if unknown), ``rollout_index``
+    ``policy_version`` (int64, each sample's oldest turn; -1 if unknown),
+    ``behavior_versions`` (int64, the version that sampled each token; -1 off the mask and
+    on padding), ``rollout_index``
     and ``sample_index`` (int64 per row: its rollout, its place in it). Samples longer
     than ``max_length`` are truncated on the right.
     """
@@ -347,6 +397,7 @@ def pad_batch(
         "position_ids": np.zeros((b, length), dtype=np.int64),
         "behavior_logprobs": np.zeros((b, length), dtype=np.float32),
         "advantages": np.zeros((b, length), dtype=np.float32),
+        "behavior_versions": np.full((b, length), NO_VERSION, dtype=np.int64),
     }
     for i, s in enumerate(samples):
         n = min(lengths[i], length)
@@ -357,6 +408,7 @@ def pad_batch(
         out["position_ids"][i, :n] = np.arange(n)
         out["behavior_logprobs"][i, :n] = np.where(mask > 0, s.behavior_logprobs[:n], 0.0)
         out["advantages"][i, :n] = _token_advantages(s)[:n]
+        out["behavior_versions"][i, :n] = s.token_versions()[:n]
     keys = list(group_ids) if group_ids is not None else group_keys(samples)
     out["group_index"] = adv._group_index(keys)[0]
     out["rollout_index"], out["sample_index"] = rollout_order(samples)
@@ -370,6 +422,7 @@ def pad_batch(
 def pack_batch(samples: Sequence[TrainSample], max_tokens: int | None = None) -> Batch:
     """All samples concatenated into one ``(1, N)`` row (no padding).
 
+    ``behavior_versions`` is laid out as ``loss_mask`` (see ``pad_batch``).
     ``position_ids`` restart at 0 for every sample and ``cu_seqlens`` (``(B + 1,)``, int32)
     gives their boundaries, as varlen attention kernels expect; ``sequence_index`` says
     which sample each token belongs to; ``group_index``, ``rollout_index`` and
@@ -394,6 +447,7 @@ def pack_batch(samples: Sequence[TrainSample], max_tokens: int | None = None) ->
         "advantages": np.concatenate([_token_advantages(s) for s in samples]).astype(np.float32)[
             None
         ],
+        "behavior_versions": np.concatenate([s.token_versions() for s in samples])[None],
         "sequence_index": np.repeat(np.arange(len(samples)), lengths)[None],
         "cu_seqlens": cu,
         "group_index": adv._group_index(group_keys(samples))[0],

@@ -28,6 +28,18 @@ are ignored. Every sequence-level function takes ``cu_seqlens`` for a packed row
 (``turnstile.train.batches.pack_batch``): sequences are then never mixed, and per-sequence
 results have one entry per sequence.
 
+**Per-token behaviour versions.** A sample's tokens may come from several policy versions
+(a stream that straddled a ``keep`` weight update; ``behavior_versions`` from
+``turnstile.train.batches``, -1 where no token was sampled). The ratios above stay exact
+per token (``mu`` is the recorded logprob of the weights that sampled it); what the version
+changes is how far ``mu`` may be from ``pi_old``. ``token_staleness`` gives it per token
+(``current_version - behavior_version``, 0 off the mask) and ``fresh_token_mask`` drops the
+tokens more than ``max_staleness`` versions old from a loss mask: passed as the ``mask`` of
+any function here, they leave every token weight, sequence ratio (the product or mean runs
+over the fresh tokens only), rejection statistic and the loss's denominator.
+``turnstile.train.losses.proximal_kl_loss`` applies it itself with
+``ProximalKLConfig.max_token_staleness``.
+
 KL estimators (Schulman's k1/k2/k3) of ``KL(pi || pi_ref)`` from tokens sampled from ``pi``,
 with ``lr = log pi_ref - log pi``: ``k1 = -lr``, ``k2 = lr^2 / 2``, ``k3 = e^lr - 1 - lr``
 (verl's ``kl_penalty_forward``: ``kl``/``k1``, ``mse``/``k2``, ``low_var_kl``/``k3``, the
@@ -110,6 +122,26 @@ def log_ratio(logp_old: Array, logp_behavior: Array, mask: Array) -> Array:
     """``log pi_old - log mu``, clamped to +-20, 0 where ``mask`` is 0 (detached)."""
     xp = _xp(logp_old)
     return xp.clip(_raw_log_ratio(logp_old, logp_behavior, mask), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
+def token_staleness(behavior_versions: Array, current_version: int, mask: Array) -> Array:
+    """Versions between each token's sampler and ``current_version`` (0 off ``mask`` and
+    where the version is unknown, -1)."""
+    xp = _xp(behavior_versions)
+    known = (mask > 0) & (behavior_versions >= 0)
+    return xp.where(known, current_version - behavior_versions, 0 * behavior_versions)
+
+
+def fresh_token_mask(
+    mask: Array, behavior_versions: Array, current_version: int, max_staleness: int
+) -> Array:
+    """``mask`` with every token sampled more than ``max_staleness`` versions before
+    ``current_version`` set to 0 (same type and dtype as ``mask``)."""
+    if max_staleness < 0:
+        raise ValueError(f"max_staleness must be >= 0, not {max_staleness}")
+    stale = token_staleness(behavior_versions, current_version, mask) > max_staleness
+    xp = _xp(mask)
+    return xp.where(stale, 0 * mask, mask)
 
 
 def _masked_sum(x: Array, mask: Array) -> Array:

@@ -41,6 +41,7 @@ With ``mu = pi_old`` and ``beta = 0`` it is exactly the GRPO/PPO clipped loss.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -334,6 +335,9 @@ class ProximalKLConfig:
     kl_loss_coef: float = 0.0  # verl's use_kl_loss: KL to pi_ref as a loss term
     kl_loss_type: str = "low_var_kl"
     kl_loss_importance: bool = False  # multiply the KL loss by pi_theta / pi_old (TRL)
+    # Tokens sampled more than this many versions before `current_version` leave the loss
+    # (weights, sequence ratios, future-KL cost, denominator); needs `behavior_versions`.
+    max_token_staleness: int | None = None
 
 
 @dataclass(frozen=True)
@@ -385,6 +389,8 @@ def proximal_kl_loss(
     rollout_index: Any = None,
     sample_index: Any = None,
     entropy: torch.Tensor | None = None,
+    behavior_versions: torch.Tensor | None = None,
+    current_version: int | None = None,
 ) -> ProximalKLOutput:
     """The Proximal KL loss, implemented from the reading of its abstract in the notes.
 
@@ -395,8 +401,17 @@ def proximal_kl_loss(
     per packed sequence, as ``pad_batch``/``pack_batch`` give them) run the future-KL
     cost on across a split rollout's samples. ``entropy`` (per token, with gradients) is
     needed for ``entropy_coeff``; ``kl_loss_coef`` adds the KL to ``logp_ref`` as a loss.
+    ``behavior_versions`` (per token, the version that sampled it; -1 where none) and
+    ``current_version`` are needed for ``max_token_staleness``: the tokens staler than it
+    are taken out of ``mask`` before anything else (``corrections.fresh_token_mask``).
     """
     cfg = config or ProximalKLConfig()
+    if cfg.max_token_staleness is not None:
+        if behavior_versions is None or current_version is None:
+            raise ValueError("max_token_staleness needs behavior_versions and current_version")
+        mask = corrections.fresh_token_mask(
+            mask, behavior_versions, current_version, cfg.max_token_staleness
+        )
     if cu_seqlens is not None:
 
         def unpacked(x: torch.Tensor) -> torch.Tensor:
@@ -410,7 +425,7 @@ def proximal_kl_loss(
             unpacked(logp_ref),
             unpacked(advantages),
             unpacked(mask),
-            cfg,
+            dataclasses.replace(cfg, max_token_staleness=None),  # mask is fresh already
             rollout_index=rollout_index,
             sample_index=sample_index,
             entropy=None if entropy is None else packing.unpack(entropy, cu_seqlens),

@@ -255,10 +255,12 @@ def add_routes(
         return {"policy_version": proxy.policy_version}
 
     @router.post("/admin/policy_version", tags=["admin"])
-    async def set_policy_version(body: PolicyVersion) -> dict[str, int]:
-        await proxy.set_policy_version(body.policy_version)
-        log.info("policy version set to %d", body.policy_version)
-        return {"policy_version": proxy.policy_version}
+    async def set_policy_version(body: PolicyVersion) -> dict[str, Any]:
+        """Switch the policy version in one call. `keep` (default): calls in flight go on,
+        the tokens streamed from now on carry the new version; `pause`: new calls wait,
+        calls in flight finish, then the switch; `abort`: calls in flight are cut and
+        recorded `aborted` (the harness gets a retryable error), then the switch."""
+        return await proxy.switch_policy_version(body.policy_version, body.mode)
 
     @router.post("/admin/pause", tags=["admin"])
     async def pause(body: Pause | None = None) -> dict[str, Any]:
