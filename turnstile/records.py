@@ -103,6 +103,9 @@ class TurnRecord:
     # one the rollout was moved away from when this call failed over
     backend: str | None = None
     backend_failover_from: str | None = None
+    # TITO mode: whether the prompt equals the chat template's rendering of the request's
+    # messages (deployment-faithful); None in record mode
+    tito_context_faithful: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -96,6 +96,11 @@ class Settings(BaseModel):
     # keep earlier reasoning); and accept a template that fails the audit anyway.
     tito_apply_fixes: bool = True
     allow_unsafe_template: bool = False
+    # TITO: what the context is held to. "sampled": what the model sampled (a template
+    # whose re-render differs, e.g. one that drops earlier <think> blocks, is used with a
+    # warning; each turn records whether its context was faithful). "template": the
+    # template's own rendering (such a template is refused unless a verified fix applies).
+    tito_history: Literal["sampled", "template"] = "sampled"
     # TITO: output parsers by name (default: detected from the template's text).
     tool_parser: str | None = None
     reasoning_parser: str | None = None

@@ -70,6 +70,7 @@ EXPECTED_TURNS = [
     ("total_s", "double", False),
     ("backend", "string", True),
     ("backend_failover_from", "string", True),
+    ("tito_context_faithful", "bool", True),
 ]
 EXPECTED_SAMPLES = [
     ("rollout_id", "string", False),
@@ -132,7 +133,7 @@ def _columns(schema: pa.Schema) -> list[tuple[str, str, bool]]:
 
 
 def test_schema_version_is_pinned() -> None:
-    assert SCHEMA_VERSION == 3
+    assert SCHEMA_VERSION == 4
 
 
 @pytest.mark.parametrize(
@@ -152,14 +153,14 @@ def test_columns_are_pinned(schema: pa.Schema, expected: list[tuple[str, str, bo
 def test_schemas_carry_version_and_table() -> None:
     for table in ALL_TABLES:
         meta = SCHEMAS[table].metadata
-        assert meta[b"turnstile.schema_version"] == b"3"
+        assert meta[b"turnstile.schema_version"] == b"4"
         assert meta[b"turnstile.table"] == table.encode()
 
 
 def test_identity_metadata_is_prefixed_and_cannot_override() -> None:
     meta = schema_metadata("samples", {"model": "m", "turnstile.tokenizer": "tok"})
     assert meta == {
-        "turnstile.schema_version": "3",
+        "turnstile.schema_version": "4",
         "turnstile.table": "samples",
         "turnstile.model": "m",
         "turnstile.tokenizer": "tok",

@@ -223,6 +223,8 @@ def encode_turn(record: TurnRecord) -> bytes:
         header["backend"] = record.backend
     if record.backend_failover_from is not None:
         header["backend_failover_from"] = record.backend_failover_from
+    if record.tito_context_faithful is not None:  # absent in record mode and older frames
+        header["tito_context_faithful"] = record.tito_context_faithful
     ttft = 0.0 if t.ttft_s is None else t.ttft_s
     blocks: list[bytes | memoryview] = [
         _raw(record.prompt_token_ids, _I32, "prompt_token_ids"),
@@ -263,7 +265,18 @@ def decode_turn(data: bytes) -> TurnRecord:
         top_logprob_values=top_values,
         backend=_optional_str(header, "backend"),
         backend_failover_from=_optional_str(header, "backend_failover_from"),
+        tito_context_faithful=_optional_bool(header, "tito_context_faithful"),
     )
+
+
+def _optional_bool(header: dict[str, Any], key: str) -> bool | None:
+    """A boolean field that older frames (and record mode's) do not have."""
+    value = header.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, bool):
+        raise CodecError(f"turn field {key!r} is {type(value).__name__}, not bool")
+    return value
 
 
 def _optional_str(header: dict[str, Any], key: str) -> str | None:

@@ -33,11 +33,11 @@ from turnstile.records import (
     TurnSpan,
 )
 
-SCHEMA_VERSION: Final[int] = 3
+SCHEMA_VERSION: Final[int] = 4
 # Versions a reader of this version reads: version 1 lacks the turns' `backend` and
-# `backend_failover_from` columns, versions 1 and 2 the rollouts' `group_size`; they read
-# as null.
-READABLE_SCHEMA_VERSIONS: Final[frozenset[int]] = frozenset({1, 2, 3})
+# `backend_failover_from` columns, versions 1 and 2 the rollouts' `group_size`, versions
+# 1 to 3 the turns' `tito_context_faithful`; they read as null.
+READABLE_SCHEMA_VERSIONS: Final[frozenset[int]] = frozenset({1, 2, 3, 4})
 
 TableName = Literal["turns", "samples", "rollouts", "quarantine"]
 # The data tables a trainer reads.
@@ -188,6 +188,15 @@ TURNS_COLUMNS: Final[tuple[Column, ...]] = (
         True,
         "Base URL of the dead backend the rollout was moved away from by this call; "
         "null when the call stayed on its rollout's backend.",
+    ),
+    Column(
+        "tito_context_faithful",
+        pa.bool_(),
+        True,
+        "TITO mode: whether the prompt equals what the chat template renders for the "
+        "request's messages (false: e.g. earlier reasoning the template drops, or "
+        "tool-call arguments it re-serialises; the tokens are still what the model "
+        "consumed); null in record mode.",
     ),
 )
 
@@ -546,6 +555,9 @@ def turns_table(
         "total_s": pa.array([r.timings.total_s for r in records], type=f64),
         "backend": _strings([r.backend for r in records]),
         "backend_failover_from": _strings([r.backend_failover_from for r in records]),
+        "tito_context_faithful": pa.array(
+            [r.tito_context_faithful for r in records], type=pa.bool_()
+        ),
     }
     return _table("turns", arrays, identity)
 

@@ -99,6 +99,7 @@ def _tito_backend(
             allow_unsafe=settings.allow_unsafe_template,
             tool_parser=settings.tool_parser,
             reasoning_parser=settings.reasoning_parser,
+            history=settings.tito_history,
         )
     except TemplateRefused as exc:
         raise SettingsError(f"TITO mode: {exc}") from None

@@ -39,6 +39,9 @@ class Delta:
     text: str
     history_preserved: bool  # the history renders as before up to the cut
     end_of_turn_id: int | None  # the template's end-of-turn token of the assistant turn
+    # the assistant turn as the template renders the message the harness sent back, up to
+    # and including its end-of-turn marker (compared with what was sampled)
+    turn_text: str = ""
 
 
 class TemplateRenderer:
@@ -166,4 +169,5 @@ class TemplateRenderer:
             text=text,
             history_preserved=full[:new_cut] == with_turn[:cut],
             end_of_turn_id=eot_id,
+            turn_text=with_turn[start:cut],
         )
