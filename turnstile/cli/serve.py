@@ -97,6 +97,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "rendering (template: such a template is refused unless a verified fix applies)",
     )
     p.add_argument(
+        "--preserve-tool-arguments",
+        action="store_true",
+        default=None,
+        help="record mode: whole chat answers keep each tool call's arguments as the model "
+        "sampled them (needs --tokenizer; see docs/tito.md)",
+    )
+    p.add_argument(
         "--no-template-fixes",
         dest="tito_apply_fixes",
         action="store_false",
@@ -156,6 +163,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         "allow_unsafe_template": args.allow_unsafe_template,
         "tito_apply_fixes": args.tito_apply_fixes,
         "tito_history": args.tito_history,
+        "preserve_tool_arguments": args.preserve_tool_arguments,
         "tool_parser": args.tool_parser,
         "reasoning_parser": args.reasoning_parser,
         "policy_version": args.policy_version,

@@ -28,7 +28,7 @@ from turnstile.backends.protocol import Backend
 from turnstile.tito.engine import RewritePolicy, TitoEngine
 from turnstile.tito.parsers import ParserSpec, parser_for_template
 from turnstile.tito.render import TemplateRenderer
-from turnstile.tito.templates import AuditError, AuditReport, audit_template, keep_reasoning_patch
+from turnstile.tito.templates import AuditError, AuditReport, audit_template
 
 __all__ = [
     "HISTORY_MODES",
@@ -105,10 +105,14 @@ def choose_template(
             f"the chat template is not TITO-exact (not safe for TITO mode): {reasons} "
             "(see `turnstile check-template`; allow_unsafe_template accepts it anyway)"
         )
-    verified = [fix for fix in report.fixes if fix.verified and fix.chat_template_kwargs]
+    verified = [
+        fix
+        for fix in report.fixes
+        if fix.verified and (fix.chat_template_kwargs or fix.template is not None)
+    ]
     if apply_fixes and verified:
         fix = verified[0]
-        patched = keep_reasoning_patch(template) if "patched" in fix.description else None
+        patched = fix.template
         fixed_template = patched or template
         fixed_kwargs = {**kwargs, **(fix.chat_template_kwargs or {})}
         after = audit_template(
@@ -120,7 +124,8 @@ def choose_template(
         )
         if after.tito_safe:
             what = "patched template" if patched else "template"
-            what += f" with {fix.chat_template_kwargs}"
+            if fix.chat_template_kwargs:
+                what += f" with {fix.chat_template_kwargs}"
             return TemplateChoice(
                 fixed_template, fixed_kwargs, after, fixed=what, warnings=list(after.warnings)
             )

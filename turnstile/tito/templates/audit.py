@@ -395,9 +395,13 @@ def _verdict(kinds: list[KindResult], stops: set[int]) -> tuple[list[str], list[
         elif result.status == STATUS_UNSUPPORTED:
             warnings.append(f"{result.kind}: not supported by the template ({result.errors[0]})")
         end = result.end_of_turn
-        if end is not None and not end.is_stop_token:
-            marker = "no special token" if end.marker is None else repr(end.marker)
-            reasons.append(
+        # Whether TITO finds where the turn ends (a stop token the model samples, maybe
+        # the next message's header) is ``check_exact``'s question, over the following
+        # messages: a turn rendered as the last message may be left open or end with a
+        # marker the model does not stop on. Noted here as a warning.
+        if end is not None and end.marker is not None and not end.is_stop_token:
+            marker = repr(end.marker)
+            warnings.append(
                 f"{result.kind}: the assistant turn ends with {marker}, which is not a token the "
                 f"model stops on (stop ids {sorted(stops)}), so the sampled completion does not "
                 "end where the template's turn does"

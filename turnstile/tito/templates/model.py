@@ -105,12 +105,23 @@ class KindResult:
 
 @dataclass(frozen=True)
 class Fix:
-    """A known way around a failure. ``chat_template_kwargs``, when set, were re-audited:
-    ``verified`` says whether the template then passes."""
+    """A known way around a failure. ``chat_template_kwargs`` and ``template`` (a patched
+    template text), when set, were re-audited: ``verified`` says whether the template then
+    passes."""
 
     description: str
     chat_template_kwargs: dict[str, Any] | None = None
     verified: bool | None = None
+    template: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form: the patched template's text is left out (its presence is not)."""
+        return {
+            "description": self.description,
+            "chat_template_kwargs": self.chat_template_kwargs,
+            "verified": self.verified,
+            "patched_template": self.template is not None,
+        }
 
 
 @dataclass
@@ -178,7 +189,7 @@ class AuditReport:
             "differences": self.differences,
             "reasons": self.reasons,
             "warnings": self.warnings,
-            "fixes": [asdict(fix) for fix in self.fixes],
+            "fixes": [fix.to_dict() for fix in self.fixes],
             "kinds": {result.kind: result.to_dict() for result in self.kinds},
             "stop_token_ids": self.stop_token_ids,
             "generation_prompt": self.generation_prompt,
