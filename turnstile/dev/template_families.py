@@ -14,8 +14,9 @@ only indicative (``CorpusRow.level`` says ``text``).
 model's published ``generation_config.json``/``tokenizer_config.json``) and BOS/EOS; the
 markers are the template's own: the strings of the forms ``<|x|>``, the same with
 fullwidth bars (DeepSeek), ``[X]`` and ``<x>``/``</x>`` its text uses (role headers, turn
-ends, tool and reasoning tags), plus any a family lists that the template builds at render time. Markers of the ``<x>`` form are added
-as ordinary (non-special) tokens, as real vocabularies do for reasoning and tool tags.
+ends, tool and reasoning tags), plus any a family lists that the template builds at
+render time. Markers of the ``<x>`` form are added as ordinary (non-special) tokens, as
+real vocabularies do for reasoning and tool tags.
 """
 
 from __future__ import annotations

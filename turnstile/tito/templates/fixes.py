@@ -139,13 +139,9 @@ _R1_CALLS_KEEP = (
 )
 # QwQ's tool-call turn: the content (with the reasoning kept, the <think> block) only when
 # there is content.
-_QWQ_CALLS = (
-    "{{- '<|im_start|>' + message.role }}\n"
-    "        {%- if message.content %}"
-)
+_QWQ_CALLS = "{{- '<|im_start|>' + message.role }}\n        {%- if message.content %}"
 _QWQ_CALLS_KEEP = (
-    "{{- '<|im_start|>' + message.role }}\n"
-    "        {%- if message.content or " + _KEEP + " %}"
+    "{{- '<|im_start|>' + message.role }}\n        {%- if message.content or " + _KEEP + " %}"
 )
 
 
