@@ -286,6 +286,38 @@ def test_tito_tool_turns_stitch_into_one_exact_sample(tito: Callable[..., Tito])
     )
     stats = httpx.get(f"{t.server.url}/stats").json()
     assert stats["mode"] == "tito" and stats["tito"]["extended"] == 1
+    # The model sampled what the template renders: both contexts are the template's own.
+    assert [x["tito_context_faithful"] for x in turns] == [True, True]
+    assert stats["tito"]["unfaithful"] == 0
+
+
+def test_a_context_the_template_would_render_differently_is_recorded_unfaithful(
+    tito: Callable[..., Tito],
+) -> None:
+    # The model samples compact JSON arguments; the template re-serialises them, so the
+    # next context (exact: what the model sampled) is not the template's rendering.
+    t = tito()
+    client = t.client("r-compact")
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "find x"}]
+    call = {
+        "id": "call_0",
+        "type": "function",
+        "function": {"name": "search", "arguments": '{"query": "x", "limit": 2}'},
+    }
+    t.sim.sample(
+        messages, {"role": "assistant", "content": "", "tool_calls": [call]}, "json_spacing", TOOLS
+    )
+    r = client.chat.completions.create(model="m", messages=messages, tools=TOOLS)
+    messages += [
+        r.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": r.choices[0].message.tool_calls[0].id, "content": "ok"},
+    ]
+    t.plan(messages, {"role": "assistant", "content": "Done."})
+    client.chat.completions.create(model="m", messages=messages, tools=TOOLS)
+    samples, turns = _finish_and_read(t, "r-compact")
+    assert len(samples) == 1  # still one exact sample
+    assert [x["tito_context_faithful"] for x in turns] == [True, False]
+    assert httpx.get(f"{t.server.url}/stats").json()["tito"]["unfaithful"] == 1
 
 
 FAKE_ECHO = [9, 9, 9]

@@ -82,6 +82,9 @@ TOOLS: list[dict[str, Any]] = [
         },
     },
 ]
+# Why a template has no row of figures: the corpus's conversations are not what it takes
+# (e.g. a tool-call format whose parser is unknown, so the harness sends no tool calls).
+CANNOT_RUN = "the corpus cannot run on this template"
 # The simulated model's name in `/v1/models`, and the id of its answers.
 MODEL = "simulated"
 COMPLETION_ID = "cmpl-sim"
@@ -557,6 +560,9 @@ def markdown(rows: list[TemplateDrift]) -> str:
         r, t = row.record, row.tito
         kinds = ", ".join(f"{k} {v}" for k, v in sorted(r.breaks.items())) or "none"
         rate = "—" if r.drift_rate is None else f"{r.drift_rate:.0%}"
+        if (r.refused or "").startswith(CANNOT_RUN):
+            lines.append(f"| {row.template} | — | not run: {r.refused} | — | — | — |")
+            continue
         tito = "refused" if t.refused else f"{t.true_breaks} of {t.transitions}"
         mism = "—" if t.refused else str(t.mismatched_tokens)
         lines.append(
@@ -585,7 +591,7 @@ def corpus(
         try:
             row = measure(assets / "templates" / name, tokenizer_dir)
         except RenderError as exc:  # the harness's messages are not what the template takes
-            why = f"the corpus cannot run on this template: {exc}"
+            why = f"{CANNOT_RUN}: {exc}"
             row = TemplateDrift(
                 Path(name).stem, ModeDrift("record", refused=why), ModeDrift("tito", refused=why)
             )
