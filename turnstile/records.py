@@ -112,6 +112,9 @@ class TurnRecord:
     def version_spans(self) -> list[tuple[int, int]]:
         """`policy_version_spans`, or the one span of a turn sampled under one version."""
         return self.policy_version_spans or [(0, self.policy_version)]
+    # TITO mode: whether the prompt equals the chat template's rendering of the request's
+    # messages (deployment-faithful); None in record mode
+    tito_context_faithful: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)

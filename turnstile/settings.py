@@ -96,6 +96,14 @@ class Settings(BaseModel):
     # keep earlier reasoning); and accept a template that fails the audit anyway.
     tito_apply_fixes: bool = True
     allow_unsafe_template: bool = False
+    # TITO: what the context is held to. "sampled": what the model sampled (a template
+    # whose re-render differs, e.g. one that drops earlier <think> blocks, is used with a
+    # warning; each turn records whether its context was faithful). "template": the
+    # template's own rendering (such a template is refused unless a verified fix applies).
+    tito_history: Literal["sampled", "template"] = "sampled"
+    # Record mode: whole chat answers carry each tool call's arguments as the model
+    # sampled them (turnstile.proxy.tool_arguments), not as the backend re-serialised them.
+    preserve_tool_arguments: bool = False
     # TITO: output parsers by name (default: detected from the template's text).
     tool_parser: str | None = None
     reasoning_parser: str | None = None
@@ -190,6 +198,15 @@ class Settings(BaseModel):
             raise ValueError(
                 "mode 'tito' renders prompts itself: set tokenizer (--tokenizer DIR) to the "
                 "served model's tokenizer directory"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _preserve_arguments_needs_record_and_tokenizer(self) -> Settings:
+        if self.preserve_tool_arguments and (self.mode != "record" or self.tokenizer is None):
+            raise ValueError(
+                "preserve_tool_arguments works in record mode and decodes the sampled tokens: "
+                "set tokenizer (--tokenizer DIR) and leave mode at 'record'"
             )
         return self
 

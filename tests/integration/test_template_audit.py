@@ -17,15 +17,21 @@ from turnstile.cli.check_template import EXIT_BAD_INPUT, EXIT_NOT_SAFE, EXIT_SAF
 from turnstile.cli.main import main
 from turnstile.dev.llama_cpp_assets import ensure_llama_cpp_assets, read_llama_cpp_test_vectors
 from turnstile.dev.template_corpus import (
+    FAMILY_PAIRED,
+    LEVEL_FAMILY,
+    LEVEL_OWN,
+    LEVEL_TEXT,
     PAIRINGS,
     PHI35,
     QWEN3,
     QWEN25,
     audit_corpus,
     corpus_markdown,
+    corpus_summary,
 )
 from turnstile.dev.vocab import build_tokenizer_dir, ensure_vocab_tokenizer, load_tokenizer
 from turnstile.tito.templates import AuditReport, audit_template, keep_reasoning_patch
+from turnstile.tito.templates.fixes import hermes_tool_response_patch, r1_keep_reasoning_patch
 from turnstile.tito.templates.model import JSON_SCHEMA
 
 # llama.cpp's vocabularies and templates (a 76 MB download, cached); no vLLM.
@@ -33,6 +39,11 @@ pytestmark = pytest.mark.assets
 
 QWEN3_TEMPLATE = "Qwen-Qwen3-0.6B.jinja"
 QWEN25_TEMPLATE = "Qwen-Qwen2.5-7B-Instruct.jinja"
+R1_QWEN_TEMPLATE = "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja"
+HERMES_TEMPLATES = (
+    "NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja",
+    "NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use.jinja",
+)
 IM_END = 151645
 
 # A plain ChatML template with tool calls: every rendering extends the previous one.
@@ -197,8 +208,27 @@ def test_end_of_turn_without_stop_token_is_caught(qwen3: Any) -> None:
     report = audit_template(qwen3, template)
     end = report.kind("assistant").end_of_turn
     assert end is not None and not end.is_stop_token
-    assert any("not a token the model stops on" in reason for reason in report.reasons)
-    assert not report.tito_safe
+    assert not report.tito_exact and not report.tito_safe
+    assert any("token the model stops on" in reason for reason in report.exact_reasons)
+    assert any("eos_token_id" in fix.description for fix in report.fixes)
+
+
+def test_a_turn_closed_only_by_the_next_header_is_exact(qwen3: Any) -> None:
+    # GLM-style: no end-of-turn marker; the model stops by sampling the next message's
+    # header, which is a stop token. TITO finds the delta after it.
+    template = (
+        "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content }}"
+        "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+        "{%- endif %}"
+    )
+    report = audit_template(qwen3, template, stop_token_ids=[151644])
+    assert report.tito_exact, report.exact_reasons
+
+
+def test_exact_but_not_faithful_reports_the_first_difference(qwen3_report: AuditReport) -> None:
+    assert qwen3_report.tito_exact and not qwen3_report.deployment_faithful
+    difference = next(d for d in qwen3_report.differences if "reasoning_content" in d)
+    assert "first difference at char" in difference and "became" in difference
 
 
 # --- JSON output and the command line ------------------------------------------------------
@@ -208,6 +238,8 @@ def test_json_schema(qwen3_report: AuditReport) -> None:
     data = json.loads(json.dumps(qwen3_report.to_dict()))
     assert data["schema"] == JSON_SCHEMA
     assert data["tito_safe"] is False and data["reasons"]
+    assert data["tito_exact"] is True and data["exact_reasons"] == []
+    assert data["deployment_faithful"] is False and data["differences"]
     assert set(data) >= {
         "tokenizer",
         "template_source",
@@ -327,15 +359,95 @@ def test_corpus(assets: Path) -> None:
     by_name = {row.template: row for row in rows}
     templates = sorted(path.name for path in (assets / "templates").glob("*.jinja"))
     assert sorted(by_name) == templates
-    for name in PAIRINGS:
-        assert by_name[name].tito_safe is not None, (name, by_name[name].note)
-    for name in set(templates) - set(PAIRINGS):
-        assert by_name[name].tito_safe is None and by_name[name].note
+    for name in templates:  # every template is audited, with the level said
+        row = by_name[name]
+        assert row.tito_exact is not None and row.faithful is not None, (name, row.note)
+        expected = LEVEL_FAMILY if name in FAMILY_PAIRED else LEVEL_OWN
+        assert row.level == (expected if name in PAIRINGS else LEVEL_TEXT), name
+        if row.level == LEVEL_TEXT:
+            assert row.note.startswith("text level: "), name
+        if not row.tito_exact:
+            assert row.note, name  # a refusal says why
     assert by_name[QWEN25_TEMPLATE].tito_safe is True
     assert by_name["meta-llama-Llama-3.1-8B-Instruct.jinja"].tito_safe is True
-    assert by_name[QWEN3_TEMPLATE].tito_safe is False
+    # Exact but not faithful: used with a warning, refused only with tito_history template.
+    for name in (QWEN3_TEMPLATE, *HERMES_TEMPLATES, "Qwen-QwQ-32B.jinja", R1_QWEN_TEMPLATE):
+        assert by_name[name].tito_exact is True and by_name[name].faithful is False, name
     assert "assistant.reasoning_content" in by_name[QWEN3_TEMPLATE].failing_kinds
+    # No end-of-turn token at all: refused.
+    assert by_name["llama-cpp-rwkv-world.jinja"].tito_exact is False
+    summary = corpus_summary(rows)
+    assert summary["templates"] == summary["audited"] == len(templates)
+    assert summary["tito_exact"] + summary["refused"] == len(templates)
     table = corpus_markdown(rows)
-    assert table.startswith("| template | vocabulary | TITO-safe | failing kinds | notes |")
+    assert table.startswith(
+        "| template | vocabulary | TITO-exact | deployment-faithful | failing kinds |"
+    )
     assert table.count("\n") == len(rows) + 2
-    assert "| Qwen-Qwen3-0.6B | qwen2 | no |" in table
+    assert "| Qwen-Qwen3-0.6B | qwen2 | yes | no |" in table
+
+
+def test_corpus_results_are_cached(
+    assets: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    name = QWEN25_TEMPLATE
+    first = audit_corpus([name])
+    calls: list[str] = []
+    monkeypatch.setattr(
+        "turnstile.dev.template_corpus.audit_template",
+        lambda *args, **kwargs: calls.append("audited"),
+    )
+    assert audit_corpus([name]) == first and calls == []
+
+
+# --- Known fixes ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs"),
+    [
+        ("NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja", {}),
+        ("NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use.jinja", {}),
+        ("Qwen-QwQ-32B.jinja", {"preserve_thinking": True, "enable_thinking": True}),
+    ],
+)
+def test_known_fix_is_verified(assets: Path, name: str, kwargs: dict[str, Any]) -> None:
+    tokenizer = load_tokenizer(ensure_vocab_tokenizer(PAIRINGS[name]))
+    report = audit_template(tokenizer, _template(assets, name))
+    assert report.tito_exact and not report.deployment_faithful
+    verified = [fix for fix in report.fixes if fix.verified]
+    assert len(verified) == 1 and verified[0].template is not None, report.fixes
+    assert verified[0].chat_template_kwargs == kwargs
+    fixed = audit_template(
+        tokenizer, verified[0].template, chat_template_kwargs=kwargs, suggest_fixes=False
+    )
+    assert fixed.tito_safe, fixed.reasons
+    assert report.to_dict()["fixes"][0]["patched_template"] is True
+
+
+def test_r1_keep_reasoning_fix_is_audited(assets: Path) -> None:
+    tokenizer = load_tokenizer(ensure_vocab_tokenizer(PAIRINGS[R1_QWEN_TEMPLATE]))
+    template = _template(assets, R1_QWEN_TEMPLATE)
+    patched = r1_keep_reasoning_patch(template)
+    assert patched is not None
+    keep = {"preserve_thinking": True, "enable_thinking": True}
+    after = audit_template(tokenizer, patched, chat_template_kwargs=keep, suggest_fixes=False)
+    # Every turn's reasoning is kept: no reasoning kind differs any more.
+    for kind in (
+        "assistant",
+        "assistant.reasoning_content",
+        "assistant.think_in_content",
+        "assistant.tool_call",
+        "assistant.reasoning_tool_call",
+    ):
+        assert after.kind(kind).status in ("pass", "ignored"), (kind, after.kind(kind).break_)
+    before = audit_template(tokenizer, template, suggest_fixes=False)
+    assert before.kind("assistant.reasoning_content").status == "fail"
+    assert any(fix.template is not None for fix in audit_template(tokenizer, template).fixes)
+
+
+def test_hermes_patch_renders_the_last_tool_response_as_history_does(assets: Path) -> None:
+    template = _template(assets, HERMES_TEMPLATES[0])
+    patched = hermes_tool_response_patch(template)
+    assert patched is not None and hermes_tool_response_patch(CHATML) is None
+    assert patched.count("</tool_response>\n") == template.count("</tool_response>\n") + 1

@@ -286,6 +286,38 @@ def test_tito_tool_turns_stitch_into_one_exact_sample(tito: Callable[..., Tito])
     )
     stats = httpx.get(f"{t.server.url}/stats").json()
     assert stats["mode"] == "tito" and stats["tito"]["extended"] == 1
+    # The model sampled what the template renders: both contexts are the template's own.
+    assert [x["tito_context_faithful"] for x in turns] == [True, True]
+    assert stats["tito"]["unfaithful"] == 0
+
+
+def test_a_context_the_template_would_render_differently_is_recorded_unfaithful(
+    tito: Callable[..., Tito],
+) -> None:
+    # The model samples compact JSON arguments; the template re-serialises them, so the
+    # next context (exact: what the model sampled) is not the template's rendering.
+    t = tito()
+    client = t.client("r-compact")
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "find x"}]
+    call = {
+        "id": "call_0",
+        "type": "function",
+        "function": {"name": "search", "arguments": '{"query": "x", "limit": 2}'},
+    }
+    t.sim.sample(
+        messages, {"role": "assistant", "content": "", "tool_calls": [call]}, "json_spacing", TOOLS
+    )
+    r = client.chat.completions.create(model="m", messages=messages, tools=TOOLS)
+    messages += [
+        r.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": r.choices[0].message.tool_calls[0].id, "content": "ok"},
+    ]
+    t.plan(messages, {"role": "assistant", "content": "Done."})
+    client.chat.completions.create(model="m", messages=messages, tools=TOOLS)
+    samples, turns = _finish_and_read(t, "r-compact")
+    assert len(samples) == 1  # still one exact sample
+    assert [x["tito_context_faithful"] for x in turns] == [True, False]
+    assert httpx.get(f"{t.server.url}/stats").json()["tito"]["unfaithful"] == 1
 
 
 FAKE_ECHO = [9, 9, 9]
@@ -401,8 +433,11 @@ def test_tito_rejects_what_it_cannot_honour(
     assert param in str(info.value)
 
 
-def test_a_template_failing_the_audit_is_refused_unless_allowed(tmp_path: Path) -> None:
-    # Phi-3.5's template does not render tool calls: no fix is known.
+def test_an_unfaithful_template_is_refused_only_with_template_history(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Phi-3.5's template does not render tool calls (no fix is known): TITO-exact, but its
+    # context is not what the template renders once the model has called a tool.
     name = "microsoft-Phi-3.5-mini-instruct.jinja"
     path = ensure_llama_cpp_assets(log=lambda _: None) / "templates" / name
     base = {
@@ -415,12 +450,18 @@ def test_a_template_failing_the_audit_is_refused_unless_allowed(tmp_path: Path) 
     from turnstile.tito.templates import audit_template
 
     report = audit_template(load_tokenizer(_tokenizer_dir(name)), path.read_text())
-    if report.tito_safe:
-        pytest.fail(f"{name} was expected to fail the audit")
-    with pytest.raises(SettingsError, match="not safe for TITO mode"):
-        create_app(load_settings(None, base, environ={}), backend=FakeVLLM())
+    assert report.tito_exact and not report.deployment_faithful, report.reasons
+    template_history = {**base, "tito_history": "template"}
+    with pytest.raises(SettingsError, match="not safe for TITO mode with tito_history: template"):
+        create_app(load_settings(None, template_history, environ={}), backend=FakeVLLM())
+    with caplog.at_level("WARNING", logger="turnstile.tito"):
+        sampled = create_app(load_settings(None, base, environ={}), backend=FakeVLLM())
+    assert sampled.state.tito.template_info["deployment_faithful"] is False
+    assert sampled.state.tito.template_info["history"] == "sampled"
+    assert "does not render this turn's tool calls" in caplog.text
     app = create_app(
-        load_settings(None, {**base, "allow_unsafe_template": True}, environ={}), backend=FakeVLLM()
+        load_settings(None, {**template_history, "allow_unsafe_template": True}, environ={}),
+        backend=FakeVLLM(),
     )
     assert app.state.tito is not None
     # TITO mode is a Backend wrapper: the proxy has no TITO branch of its own.

@@ -73,6 +73,7 @@ EXPECTED_TURNS = [
     ("backend_failover_from", "string", True),
     ("policy_version_spans", VERSION_SPANS, True),
     ("policy_switch_unlocated", "bool", True),
+    ("tito_context_faithful", "bool", True),
 ]
 EXPECTED_SAMPLES = [
     ("rollout_id", "string", False),

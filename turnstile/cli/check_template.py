@@ -99,7 +99,7 @@ def _write_json(path: Path, data: Any) -> None:
 def _run_corpus(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from turnstile.dev.template_corpus import audit_corpus, corpus_markdown
+    from turnstile.dev.template_corpus import audit_corpus, corpus_markdown, corpus_summary
 
     rows = audit_corpus(log=lambda line: print(line, file=sys.stderr))
     if args.json is not None:
@@ -107,10 +107,15 @@ def _run_corpus(args: argparse.Namespace) -> int:
     if args.markdown:
         print(corpus_markdown(rows), end="")
     else:
+        answer = {True: "yes", False: "NO", None: "not audited"}
         for row in rows:
-            verdict = {True: "TITO-safe", False: "NOT TITO-safe", None: "skipped"}[row.tito_safe]
             failing = f" (failing: {', '.join(row.failing_kinds)})" if row.failing_kinds else ""
-            print(f"{row.template}: {verdict}{failing}{' - ' + row.note if row.note else ''}")
+            print(
+                f"{row.template} [{row.level}]: TITO-exact {answer[row.tito_exact]}, "
+                f"deployment-faithful {answer[row.faithful]}{failing}"
+                f"{' - ' + row.note if row.note else ''}"
+            )
+        print(", ".join(f"{key}: {value}" for key, value in corpus_summary(rows).items()))
     return EXIT_SAFE
 
 

@@ -90,6 +90,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="TITO: accept a chat template that fails the audit",
     )
     p.add_argument(
+        "--tito-history",
+        choices=["sampled", "template"],
+        help="TITO: keep what the model sampled (sampled, default; a template whose "
+        "re-render differs is used with a warning) or require the template's own "
+        "rendering (template: such a template is refused unless a verified fix applies)",
+    )
+    p.add_argument(
+        "--preserve-tool-arguments",
+        action="store_true",
+        default=None,
+        help="record mode: whole chat answers keep each tool call's arguments as the model "
+        "sampled them (needs --tokenizer; see docs/tito.md)",
+    )
+    p.add_argument(
         "--no-template-fixes",
         dest="tito_apply_fixes",
         action="store_false",
@@ -161,6 +175,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         "chat_template_kwargs": args.chat_template_kwargs,
         "allow_unsafe_template": args.allow_unsafe_template,
         "tito_apply_fixes": args.tito_apply_fixes,
+        "tito_history": args.tito_history,
+        "preserve_tool_arguments": args.preserve_tool_arguments,
         "tool_parser": args.tool_parser,
         "reasoning_parser": args.reasoning_parser,
         "policy_version": args.policy_version,

@@ -48,7 +48,7 @@ from turnstile.proxy.capture import CHAT
 from turnstile.proxy.core import Relay
 from turnstile.tito.convert import ChatAnswer, ChatStream
 from turnstile.tito.parsers import ParserSpec, parser_for_template
-from turnstile.tito.render import TemplateRenderer
+from turnstile.tito.render import RenderError, TemplateRenderer
 
 __all__ = ["ModeDrift", "SimulatedModel", "TemplateDrift", "conversations", "measure"]
 
@@ -82,6 +82,9 @@ TOOLS: list[dict[str, Any]] = [
         },
     },
 ]
+# Why a template has no row of figures: the corpus's conversations are not what it takes
+# (e.g. a tool-call format whose parser is unknown, so the harness sends no tool calls).
+CANNOT_RUN = "the corpus cannot run on this template"
 # The simulated model's name in `/v1/models`, and the id of its answers.
 MODEL = "simulated"
 COMPLETION_ID = "cmpl-sim"
@@ -245,16 +248,26 @@ class SimulatedModel:
         assistant: dict[str, Any],
         how: str,
         tools: list[dict[str, Any]] | None,
+        then: tuple[dict[str, Any], ...] = (),
     ) -> list[int]:
         """The tokens the model samples for `assistant` after `history`, ending with its
-        end-of-turn token; stored as the plan of the next call."""
+        end-of-turn token; stored as the plan of the next call. A template that leaves
+        the turn open while it is last ends it with the next message's header (`then`)."""
         r = self.renderer
         prompt = r.render(history, tools, None, True)
         whole = r.render([*history, assistant], tools, None, False)
         start = r.turn_start(prompt, whole)
         end = r.end_of_turn(whole, start)
+        if end is None and then:
+            whole = r.render([*history, assistant, *then], tools, None, True)
+            end = r.end_of_turn(whole, start)
         if end is None:
-            raise ValueError("the template's assistant turn has no end-of-turn token")
+            if then or not r.stops:
+                raise ValueError("the template's assistant turn has no end-of-turn token")
+            # The last turn of an open-turn template: the model stops with EOS.
+            eos = r.tokenizer.eos_token_id
+            eot = eos if eos in r.stops else min(r.stops)
+            end = (len(whole) + len(r.decode([eot])), eot)
         cut, eot = end
         text = _perturb(whole[start : max(start, cut - len(r.decode([eot])))], how)
         ids = r.encode(text)
@@ -380,7 +393,7 @@ async def _drive(app: Any, sim: SimulatedModel, convs: list[Conversation]) -> li
         rollout = f"{conv.name}-{n}"
         messages = list(conv.start)
         for i, step in enumerate(conv.steps):
-            sim.sample(messages, step.assistant, step.perturb, TOOLS)
+            sim.sample(messages, step.assistant, step.perturb, TOOLS, step.then)
             raw = orjson.dumps(
                 {
                     "model": "simulated",
@@ -516,14 +529,18 @@ def measure(
 
 
 def _renderable(convs: list[Conversation], hf: Any, template: Path) -> list[Conversation]:
-    """The conversations this template can render (some reject system or tool roles)."""
-    renderer = TemplateRenderer(hf, template.read_text(encoding="utf-8"), _kwargs(template))
+    """The conversations this template can render (some reject system or tool roles) and
+    the simulated model can sample (every assistant turn ends with a stop token)."""
+    text = template.read_text(encoding="utf-8")
+    renderer = TemplateRenderer(hf, text, _kwargs(template))
+    sim = SimulatedModel(renderer, parser_for_template(text))
     keep = []
     for conv in convs:
         messages = list(conv.start)
         try:
             for step in conv.steps:
                 renderer.render([*messages, step.assistant], TOOLS, None, False)
+                sim.sample(messages, step.assistant, step.perturb, TOOLS, step.then)
                 messages = [*messages, step.assistant, *step.then]
             renderer.render(messages, TOOLS, None, True)
         except Exception:
@@ -543,6 +560,9 @@ def markdown(rows: list[TemplateDrift]) -> str:
         r, t = row.record, row.tito
         kinds = ", ".join(f"{k} {v}" for k, v in sorted(r.breaks.items())) or "none"
         rate = "—" if r.drift_rate is None else f"{r.drift_rate:.0%}"
+        if (r.refused or "").startswith(CANNOT_RUN):
+            lines.append(f"| {row.template} | — | not run: {r.refused} | — | — | — |")
+            continue
         tito = "refused" if t.refused else f"{t.true_breaks} of {t.transitions}"
         mism = "—" if t.refused else str(t.mismatched_tokens)
         lines.append(
@@ -552,20 +572,33 @@ def markdown(rows: list[TemplateDrift]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def corpus(log: Callable[[str], None] = print) -> list[TemplateDrift]:
-    """`measure` over every vendored template that pairs with a vendored vocabulary."""
+def corpus(
+    log: Callable[[str], None] = print, templates: list[str] | None = None
+) -> list[TemplateDrift]:
+    """`measure` over every vendored template (or the named ones), each with the
+    vocabulary the template audit pairs it with (`turnstile.dev.template_corpus.pairing`:
+    its own, one of its family, or a text-level one)."""
     from turnstile.dev.llama_cpp_assets import ensure_llama_cpp_assets
-    from turnstile.dev.template_corpus import PAIRINGS
+    from turnstile.dev.template_corpus import pairing
     from turnstile.dev.vocab import ensure_vocab_tokenizer
 
     assets = ensure_llama_cpp_assets(log=lambda _: None)
+    names = templates or sorted(path.name for path in (assets / "templates").glob("*.jinja"))
     rows = []
-    for name, spec in sorted(PAIRINGS.items()):
+    for name in names:
+        spec, _level, _why = pairing(name, assets)
         tokenizer_dir = ensure_vocab_tokenizer(spec, log=lambda _: None)
-        row = measure(assets / "templates" / name, tokenizer_dir)
+        try:
+            row = measure(assets / "templates" / name, tokenizer_dir)
+        except RenderError as exc:  # the harness's messages are not what the template takes
+            why = f"{CANNOT_RUN}: {exc}"
+            row = TemplateDrift(
+                Path(name).stem, ModeDrift("record", refused=why), ModeDrift("tito", refused=why)
+            )
         log(
             f"{name}: record {row.record.true_breaks}/{row.record.transitions} breaks; "
-            f"TITO {'refused' if row.tito.refused else row.tito.true_breaks}"
+            f"TITO {'refused' if row.tito.refused else row.tito.true_breaks} "
+            f"({row.tito.mismatched_tokens} mismatched tokens)"
         )
         rows.append(row)
     return rows

@@ -1,10 +1,15 @@
-"""The template corpus: every vendored chat template that pairs with a vendored vocabulary.
+"""The template corpus: every chat template llama.cpp vendors, each with a vocabulary.
 
 llama.cpp vendors about 70 verbatim chat templates and a few real vocabularies
 (``turnstile.dev.llama_cpp_assets.ensure_llama_cpp_assets``). ``PAIRINGS`` maps each template that
-belongs to a family with a vendored vocabulary to a ``VocabSpec`` for that family;
-``SKIPPED`` says why the others cannot be paired. ``audit_corpus`` audits every pairing and
-returns a table row per template; ``corpus_markdown`` formats it for docs/tito.md.
+belongs to a family with a vendored vocabulary to a ``VocabSpec`` for that family: the
+model's own vocabulary, or one of the same family (``FAMILY_PAIRED``: R1 distills on their
+base model's vocabulary, Hermes and SmolLM3 on Llama 3's, Qwen3.5 on llama.cpp's qwen35
+test vocabulary). Every other template is audited at text level
+(``turnstile.dev.template_families``). ``audit_corpus`` audits every template (results
+cached by a digest of the inputs and the audit's code) and returns a row per template with
+both answers (TITO-exact, deployment-faithful) and the reason; ``corpus_markdown`` formats
+it for the README and docs/tito.md.
 
 Family specs: Qwen2.5/Qwen3/QwQ share the Qwen2 vocabulary (Qwen3 adds four tokens);
 Qwen3.5's real vocabulary is not vendored, llama.cpp's ``qwen35`` test vocabulary has
@@ -19,20 +24,34 @@ published ``generation_config.json``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from turnstile.dev.cache import build_digest, cache_root
 from turnstile.dev.llama_cpp_assets import ensure_llama_cpp_assets
 from turnstile.dev.qwen3_tokenizer import QWEN3_ADDED_TOKENS
+from turnstile.dev.template_families import family_of, text_level_spec
 from turnstile.dev.vocab import VocabSpec, ensure_vocab_tokenizer, load_tokenizer
 from turnstile.tito.templates.audit import audit_template
 from turnstile.tito.templates.battery import TOOLS
-from turnstile.tito.templates.model import AuditError
+from turnstile.tito.templates.model import AuditError, AuditReport
 
-__all__ = ["PAIRINGS", "SKIPPED", "TEMPLATE_KWARGS", "CorpusRow", "audit_corpus", "corpus_markdown"]
+__all__ = [
+    "LEVEL_FAMILY",
+    "LEVEL_OWN",
+    "LEVEL_TEXT",
+    "PAIRINGS",
+    "TEMPLATE_KWARGS",
+    "CorpusRow",
+    "audit_corpus",
+    "corpus_markdown",
+    "corpus_summary",
+    "pairing",
+]
 
 _QWEN2 = "ggml-vocab-qwen2.gguf"
 _QWEN35 = "ggml-vocab-qwen35.gguf"
@@ -155,100 +174,197 @@ TEMPLATE_KWARGS: dict[str, dict[str, Any]] = {
         "datetime": "2024-06-01",
     },
 }
-# Why a template has no pairing, by file-name prefix (first match wins).
-SKIPPED: tuple[tuple[str, str], ...] = (
-    ("mistralai-", "Mistral's Tekken (tiktoken-based) vocabulary is not vendored"),
-    ("unsloth-mistral-", "Mistral's Tekken (tiktoken-based) vocabulary is not vendored"),
-    ("Mistral-", "Mistral's Tekken (tiktoken-based) vocabulary is not vendored"),
-    ("google-gemma-4", "the gemma4 GGUF tokenizer model is not one this builder rebuilds"),
-    ("google-gemma-2", "Gemma 2's vocabulary is not vendored"),
-    ("deepseek-ai-DeepSeek-V", "DeepSeek-V3's vocabulary is not vendored"),
-    ("llama-cpp-deepseek-r1", "DeepSeek-R1's (V3) vocabulary is not vendored"),
-    ("CohereForAI-", "the command-r pre-tokenizer is not one this builder rebuilds"),
-    ("Cohere2", "the command-r pre-tokenizer is not one this builder rebuilds"),
+# Families paired with a vocabulary of the same family rather than the model's own
+# (documented in the module docstring); every other pairing is the model's own vocabulary.
+FAMILY_PAIRED: frozenset[str] = frozenset(
+    {
+        "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja",
+        "deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja",
+        "NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use.jinja",
+        "NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja",
+        "HuggingFaceTB-SmolLM3-3B.jinja",
+        "Qwen3.5-4B.jinja",
+    }
 )
-_DEFAULT_SKIP = "no vendored vocabulary of this model's tokenizer"
+LEVEL_OWN = "own vocabulary"
+LEVEL_FAMILY = "family vocabulary"
+LEVEL_TEXT = "text level"
 # How many distinct break causes a table row names.
 _NOTE_CAUSES = 2
+# Characters of a reason kept in a table cell.
+_NOTE_CHARS = 240
+# Where audit results are cached, under the cache root (keyed by a digest of the inputs
+# and the audit's code, so a change to either re-audits).
+_RESULTS_DIR = "template-audit/results"
+# The code an audit result depends on.
+_AUDIT_SOURCES = (
+    *sorted((Path(__file__).parent.parent / "tito" / "templates").glob("*.py")),
+    Path(__file__).parent.parent / "tito" / "render.py",
+    Path(__file__),
+)
 
 
 @dataclass(frozen=True)
 class CorpusRow:
+    """One template's audit: how it was paired (``level``: its own vocabulary, one of its
+    family, or text level), the two answers (None: it could not be audited) and why."""
+
     template: str
     vocab: str | None
-    tito_safe: bool | None  # None: skipped or could not be audited
+    level: str
+    tito_exact: bool | None
+    faithful: bool | None
     failing_kinds: tuple[str, ...]
     note: str
 
+    @property
+    def tito_safe(self) -> bool | None:
+        if self.tito_exact is None or self.faithful is None:
+            return None
+        return self.tito_exact and self.faithful
 
-def skip_reason(template_name: str) -> str:
-    for prefix, reason in SKIPPED:
-        if template_name.startswith(prefix):
-            return reason
-    return _DEFAULT_SKIP
+
+def pairing(name: str, assets: Path) -> tuple[VocabSpec, str, str]:
+    """The vocabulary ``name`` is audited with, its level and, for text level, why."""
+    spec = PAIRINGS.get(name)
+    if spec is not None:
+        return spec, (LEVEL_FAMILY if name in FAMILY_PAIRED else LEVEL_OWN), ""
+    family = family_of(name)
+    if family is None:
+        raise AuditError(f"{name}: no vocabulary pairing and no text-level family")
+    members = sorted(path.name for path in (assets / "templates").glob("*.jinja"))
+    texts = [
+        (assets / "templates" / member).read_text(encoding="utf-8")
+        for member in members
+        if member not in PAIRINGS and family_of(member) is family
+    ]
+    why = family.note or f"no vendored vocabulary of the {family.name} family"
+    return text_level_spec(family, texts), LEVEL_TEXT, why
+
+
+def _row_from_report(
+    name: str, spec: VocabSpec, level: str, why: str, report: AuditReport
+) -> CorpusRow:
+    causes = dict.fromkeys(
+        result.break_.description for result in report.kinds if result.break_ is not None
+    )
+    notes: list[str] = []
+    if why:
+        notes.append(f"text level: {why}")
+    notes += [reason[:_NOTE_CHARS] for reason in report.exact_reasons[:1]]
+    notes += list(causes)[:_NOTE_CAUSES]
+    notes += [
+        f"fix verified: {fix.chat_template_kwargs}"
+        + (" on a patched template" if "patched" in fix.description else "")
+        for fix in report.fixes
+        if fix.verified
+    ]
+    unsupported = [r.kind for r in report.kinds if r.status == "unsupported"]
+    if unsupported:
+        notes.append("unsupported: " + ", ".join(unsupported))
+    return CorpusRow(
+        name,
+        spec.vocab_file,
+        level,
+        report.tito_exact,
+        report.deployment_faithful,
+        tuple(report.failing_kinds()),
+        "; ".join(notes),
+    )
+
+
+def _cache_key(name: str, template: str, spec: VocabSpec) -> str:
+    recipe = {
+        "template": name,
+        "text": hashlib.sha256(template.encode()).hexdigest(),
+        "spec": spec.digest(),
+        "kwargs": TEMPLATE_KWARGS.get(name),
+    }
+    return build_digest(recipe, _AUDIT_SOURCES)[:32]
+
+
+def audit_one(
+    name: str, assets: Path, loaded: dict[VocabSpec, Any], quiet: Callable[[str], None]
+) -> CorpusRow:
+    """Audit one vendored template (or read its cached result)."""
+    template = (assets / "templates" / name).read_text(encoding="utf-8")
+    try:
+        spec, level, why = pairing(name, assets)
+    except AuditError as exc:
+        return CorpusRow(name, None, LEVEL_TEXT, None, None, (), str(exc))
+    cached = cache_root() / _RESULTS_DIR / f"{_cache_key(name, template, spec)}.json"
+    if cached.is_file():
+        data = json.loads(cached.read_text(encoding="utf-8"))
+        return CorpusRow(**{**data, "failing_kinds": tuple(data["failing_kinds"])})
+    if spec not in loaded:
+        loaded[spec] = load_tokenizer(ensure_vocab_tokenizer(spec, log=quiet))
+    try:
+        report = audit_template(
+            loaded[spec], template, chat_template_kwargs=TEMPLATE_KWARGS.get(name)
+        )
+        row = _row_from_report(name, spec, level, why, report)
+    except AuditError as exc:
+        note = (f"text level: {why}; " if why else "") + f"not auditable: {exc}"
+        row = CorpusRow(name, spec.vocab_file, level, None, None, (), note[: 2 * _NOTE_CHARS])
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    partial = cached.with_suffix(".partial")
+    partial.write_text(json.dumps(asdict(row), ensure_ascii=False), encoding="utf-8")
+    partial.replace(cached)
+    return row
 
 
 def audit_corpus(
     templates: list[str] | None = None,
     log: Callable[[str], None] | None = None,
-    include_skipped: bool = True,
 ) -> list[CorpusRow]:
-    """Audit every vendored template that pairs with a vendored vocabulary (or the named
-    ones) and return a row per template, skipped ones included with their reason."""
+    """Audit every vendored template (or the named ones): with its own vocabulary where
+    vendored, a family vocabulary where paired, else at text level; a row per template.
+    Results are cached by a digest of the template, vocabulary, variables and audit code."""
     quiet = log or (lambda _: None)
     assets = ensure_llama_cpp_assets(log=quiet)
     names = templates or sorted(path.name for path in (assets / "templates").glob("*.jinja"))
     loaded: dict[VocabSpec, Any] = {}
     rows: list[CorpusRow] = []
     for name in names:
-        spec = PAIRINGS.get(name)
-        if spec is None:
-            if include_skipped:
-                rows.append(CorpusRow(name, None, None, (), skip_reason(name)))
-            continue
-        if spec not in loaded:
-            loaded[spec] = load_tokenizer(ensure_vocab_tokenizer(spec, log=quiet))
-        template = (assets / "templates" / name).read_text(encoding="utf-8")
-        try:
-            report = audit_template(
-                loaded[spec], template, chat_template_kwargs=TEMPLATE_KWARGS.get(name)
-            )
-        except AuditError as exc:
-            rows.append(CorpusRow(name, spec.vocab_file, None, (), f"not auditable: {exc}"))
-            continue
-        causes = dict.fromkeys(
-            result.break_.description for result in report.kinds if result.break_ is not None
-        )
-        notes = list(causes)[:_NOTE_CAUSES]
-        notes += [
-            f"fix verified: {fix.chat_template_kwargs}"
-            + (" on a patched template" if "patched" in fix.description else "")
-            for fix in report.fixes
-            if fix.verified
-        ]
-        unsupported = [r.kind for r in report.kinds if r.status == "unsupported"]
-        if unsupported:
-            notes.append("unsupported: " + ", ".join(unsupported))
-        note = "; ".join(notes)
-        rows.append(
-            CorpusRow(name, spec.vocab_file, report.tito_safe, tuple(report.failing_kinds()), note)
-        )
+        row = audit_one(name, assets, loaded, quiet)
+        rows.append(row)
         if log is not None:
-            log(f"{name}: {'TITO-safe' if report.tito_safe else 'not TITO-safe'}")
+            log(f"{name}: TITO-exact {row.tito_exact}, faithful {row.faithful}")
     return rows
 
 
 def corpus_markdown(rows: list[CorpusRow]) -> str:
-    """The corpus table as Markdown (audited templates first, then skipped ones)."""
+    """The corpus table as Markdown: both answers and the reason for each template."""
     lines = [
-        "| template | vocabulary | TITO-safe | failing kinds | notes |",
-        "| --- | --- | --- | --- | --- |",
+        "| template | vocabulary | TITO-exact | deployment-faithful | failing kinds | "
+        "reason / notes |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
-    ordered = sorted(rows, key=lambda row: (row.vocab is None, row.template))
-    for row in ordered:
-        verdict = {True: "yes", False: "no", None: "—"}[row.tito_safe]
+    order = {LEVEL_OWN: 0, LEVEL_FAMILY: 1, LEVEL_TEXT: 2}
+    for row in sorted(rows, key=lambda row: (order.get(row.level, 3), row.template)):
+        exact = {True: "yes", False: "**no**", None: "—"}[row.tito_exact]
+        faithful = {True: "yes", False: "no", None: "—"}[row.faithful]
         vocab = Path(row.vocab).stem.removeprefix("ggml-vocab-") if row.vocab else "—"
+        if row.level != LEVEL_OWN:
+            vocab += f" ({row.level})"
         failing = ", ".join(f"`{kind}`" for kind in row.failing_kinds) or "—"
-        note = row.note.replace("|", "\\|") or "—"
-        lines.append(f"| {Path(row.template).stem} | {vocab} | {verdict} | {failing} | {note} |")
+        note = row.note.replace("|", "\\|").replace("\n", "\\n") or "—"
+        lines.append(
+            f"| {Path(row.template).stem} | {vocab} | {exact} | {faithful} | {failing} | {note} |"
+        )
     return "\n".join(lines) + "\n"
+
+
+def corpus_summary(rows: list[CorpusRow]) -> dict[str, int]:
+    """Counts for the table's caption: audited, TITO-exact, faithful, refused, by level."""
+    return {
+        "templates": len(rows),
+        "audited": sum(row.tito_exact is not None for row in rows),
+        "tito_exact": sum(row.tito_exact is True for row in rows),
+        "deployment_faithful": sum(row.faithful is True for row in rows),
+        "refused": sum(row.tito_exact is not True for row in rows),
+        **{
+            level: sum(row.level == level for row in rows)
+            for level in (LEVEL_OWN, LEVEL_FAMILY, LEVEL_TEXT)
+        },
+    }

@@ -98,6 +98,10 @@ class VocabSpec:
     eos_token: str | None = None
     bos_token: str | None = None
     stop_tokens: tuple[str, ...] = ()
+    # An appended token the vocabulary already has as an ordinary token becomes an added
+    # token at its id (text-level vocabularies, whose markers may be ordinary text there,
+    # e.g. "</s>" in Qwen2's); otherwise that is an error in the spec.
+    promote_existing: bool = False
 
     def digest(self) -> str:
         """The digest this vocabulary's tokenizer directory is keyed by: the spec, the
@@ -110,6 +114,7 @@ class VocabSpec:
             self.eos_token,
             self.bos_token,
             self.stop_tokens,
+            self.promote_existing,
             sorted(_BPE_PRETOKENIZERS.items()),
         ]
         return build_digest(recipe, [Path(__file__)])[:16]
@@ -334,7 +339,7 @@ def _build_tokenizer(vocab: _Gguf, spec: VocabSpec) -> Any:
                 f"expected {token_id}"
             )
     for content, special in spec.appended_tokens:
-        if tokenizer.token_to_id(content) is not None:
+        if tokenizer.token_to_id(content) is not None and not spec.promote_existing:
             raise DevstackError(f"{spec.vocab_file} already has {content}")
         tokenizer.add_tokens([AddedToken(content, normalized=False, special=special)])
     return tokenizer

@@ -227,6 +227,8 @@ def encode_turn(record: TurnRecord) -> bytes:
         header["policy_version_spans"] = [[int(a), int(v)] for a, v in record.policy_version_spans]
     if record.policy_switch_unlocated:
         header["policy_switch_unlocated"] = True
+    if record.tito_context_faithful is not None:  # absent in record mode and older frames
+        header["tito_context_faithful"] = record.tito_context_faithful
     ttft = 0.0 if t.ttft_s is None else t.ttft_s
     blocks: list[bytes | memoryview] = [
         _raw(record.prompt_token_ids, _I32, "prompt_token_ids"),
@@ -271,6 +273,7 @@ def decode_turn(data: bytes) -> TurnRecord:
         policy_switch_unlocated=_field(header, "policy_switch_unlocated", bool)
         if "policy_switch_unlocated" in header
         else False,
+        tito_context_faithful=_optional_bool(header, "tito_context_faithful"),
     )
 
 
@@ -285,6 +288,16 @@ def _version_spans(header: dict[str, Any]) -> list[tuple[int, int]]:
             raise CodecError(f"a policy version span must be two integers, not {span!r:.60}")
         out.append((span[0], span[1]))
     return out
+
+
+def _optional_bool(header: dict[str, Any], key: str) -> bool | None:
+    """A boolean field that older frames (and record mode's) do not have."""
+    value = header.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, bool):
+        raise CodecError(f"turn field {key!r} is {type(value).__name__}, not bool")
+    return value
 
 
 def _optional_str(header: dict[str, Any], key: str) -> str | None:

@@ -36,8 +36,8 @@ from turnstile.records import (
 SCHEMA_VERSION: Final[int] = 4
 # Versions a reader of this version reads: version 1 lacks the turns' `backend` and
 # `backend_failover_from` columns, versions 1 and 2 the rollouts' `group_size`, versions
-# 1 to 3 the per-token versions (`policy_version_spans`, `policy_switch_unlocated`); they
-# read as null.
+# 1 to 3 the per-token versions (`policy_version_spans`, `policy_switch_unlocated`)
+# and the turns' `tito_context_faithful`; they read as null.
 READABLE_SCHEMA_VERSIONS: Final[frozenset[int]] = frozenset({1, 2, 3, 4})
 
 TableName = Literal["turns", "samples", "rollouts", "quarantine"]
@@ -215,6 +215,15 @@ TURNS_COLUMNS: Final[tuple[Column, ...]] = (
         "are all recorded under the version it began with, but the later ones may have "
         "been sampled by the next (with `stream_whole_calls` on, the switch is placed). "
         "Null in shards before version 4.",
+    ),
+    Column(
+        "tito_context_faithful",
+        pa.bool_(),
+        True,
+        "TITO mode: whether the prompt equals what the chat template renders for the "
+        "request's messages (false: e.g. earlier reasoning the template drops, or "
+        "tool-call arguments it re-serialises; the tokens are still what the model "
+        "consumed); null in record mode.",
     ),
 )
 
@@ -591,6 +600,9 @@ def turns_table(
         "policy_version_spans": _version_spans([r.version_spans() for r in records]),
         "policy_switch_unlocated": pa.array(
             [r.policy_switch_unlocated for r in records], type=pa.bool_()
+        ),
+        "tito_context_faithful": pa.array(
+            [r.tito_context_faithful for r in records], type=pa.bool_()
         ),
     }
     return _table("turns", arrays, identity)

@@ -127,6 +127,7 @@ class _Call:
     journal_error: JournalError | None = None
     served_by: str | None = None  # the backend of a pool that answered
     failover_from: str | None = None  # the dead backend the rollout was moved from
+    context_faithful: bool | None = None  # TITO: the prompt is the template's rendering
     aborted: str | None = None  # why a weight-update fence cut the call
     capture: ResponseCapture | None = None
     streamed: bool = False  # the backend streams (the client's stream, or stream_whole_calls)
@@ -556,6 +557,8 @@ class Proxy:
             finally:
                 ROLLOUT_AFFINITY.reset(affinity)
             call.served_by, call.failover_from = resp.served_by, resp.failover_from
+            # TITO answers say whether the context was faithful (other backends do not)
+            call.context_faithful = getattr(resp, "context_faithful", None)
             if resp.status >= 400:
                 raise await read_error(resp)
             self._live[call.turn_id] = (call, resp)
@@ -855,6 +858,7 @@ class Proxy:
             backend=call.served_by,
             backend_failover_from=call.failover_from,
             policy_switch_unlocated=bool(call.switches) and not call.streamed,
+            tito_context_faithful=call.context_faithful,
         )
         model = capture.model or str(req.get("model") or "")
         if not capture.choices:

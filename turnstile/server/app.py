@@ -99,6 +99,7 @@ def _tito_backend(
             allow_unsafe=settings.allow_unsafe_template,
             tool_parser=settings.tool_parser,
             reasoning_parser=settings.reasoning_parser,
+            history=settings.tito_history,
         )
     except TemplateRefused as exc:
         raise SettingsError(f"TITO mode: {exc}") from None
@@ -142,6 +143,10 @@ def create_app(
     conversations = ConversationStore(conversations_dir, fsync=settings.fsync == "always")
     if backend is None:  # one vLLM client, or the SGLang adapter, or a pool of them
         backend = build_backend(settings, timeouts, tokenizer)
+    if settings.preserve_tool_arguments and tokenizer is not None:  # settings require one
+        from turnstile.proxy.tool_arguments import PreserveToolArguments
+
+        backend = PreserveToolArguments(backend, tokenizer.hf)
     publisher = _publisher(settings, writer_id)
     # The sink reads this mapping when it writes a shard; the model is filled in at start-up.
     identity = {

@@ -9,6 +9,15 @@ relays it exactly as a backend's chat answer. The state advances only when the a
 complete (the whole body read, or the stream's `[DONE]` reached): a turn the harness never
 received leaves nothing to extend.
 
+Each turn also says whether its context was *deployment-faithful*
+(`context_faithful`, recorded in the turns table's `tito_context_faithful`): whether the
+prompt equals what the template renders for the same messages. A first turn or new segment
+is; an extension is when the previous prompt was, the template renders the returned
+assistant message as the tokens the model sampled, and the history renders as before.
+A template that drops earlier `<think>` blocks, or a model that samples compact JSON the
+template re-serialises, makes it false: TITO's context is still exactly what the model
+consumed and sampled.
+
 A history rewrite follows the configured policy: `split` renders the whole conversation as
 a new segment (stitching then starts a new sample whose `parent_sample_index` links the
 earlier one, classified `history_rewritten`); `refuse` answers 409 with where the messages
@@ -66,6 +75,7 @@ class TitoStats:
     split: int = 0
     refused: int = 0
     history_rerendered: int = 0  # extended, but the template re-renders the history
+    unfaithful: int = 0  # turns whose context differs from the template's rendering
 
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in self.__slots__}
@@ -114,8 +124,9 @@ class TitoEngine:
         }
 
     # -- the prompt ----------------------------------------------------------------
-    def _prompt(self, rollout_id: str, body: Mapping[str, Any]) -> tuple[list[int], str]:
-        """Token IDs for this turn's prompt, and the text its end renders to."""
+    def _prompt(self, rollout_id: str, body: Mapping[str, Any]) -> tuple[list[int], str, bool]:
+        """Token IDs for this turn's prompt, the text its end renders to, and whether the
+        prompt is what the template renders for the messages."""
         messages = list(body["messages"])
         tools, kwargs = body.get("tools"), body.get("chat_template_kwargs")
         if kwargs is not None and not isinstance(kwargs, dict):
@@ -145,11 +156,20 @@ class TitoEngine:
                 ):
                     completion.append(delta.end_of_turn_id)  # sampling stopped early
                 prompt = [int(t) for t in state.prompt_ids] + completion + delta.ids
-                return prompt, delta.text
+                faithful = (
+                    state.prompt_faithful
+                    and delta.history_preserved
+                    and self.renderer.encode(delta.turn_text) == completion
+                )
+                self.counts.unfaithful += not faithful
+                return prompt, delta.text, faithful
         elif found.kind == "repeat" and state is not None:
             self.counts.repeated += 1
-            return [int(t) for t in state.prompt_ids], self.renderer.decode(
-                state.prompt_ids[-_TAIL_TOKENS:].tolist()
+            self.counts.unfaithful += not state.prompt_faithful
+            return (
+                [int(t) for t in state.prompt_ids],
+                self.renderer.decode(state.prompt_ids[-_TAIL_TOKENS:].tolist()),
+                state.prompt_faithful,
             )
         elif found.kind == "first":
             self.counts.first += 1
@@ -164,9 +184,10 @@ class TitoEngine:
             self.counts.split += 1
             log.info("rollout %s: history rewritten (%s); new segment", rollout_id, found.detail)
         try:
-            return self.renderer.prompt(messages, tools, kwargs)
+            ids, text = self.renderer.prompt(messages, tools, kwargs)
         except RenderError as exc:
             raise Unprocessable(str(exc), param="messages") from None
+        return ids, text, True
 
     def _parser_for(self, body: Mapping[str, Any], prompt_text: str) -> Any:
         spec = self.parsers
@@ -179,7 +200,7 @@ class TitoEngine:
     # -- the call --------------------------------------------------------------------
     async def request(self, rollout_id: str, body: dict[str, Any]) -> BackendResponse:
         """Send the chat request `body` (with the recording fields) as token IDs."""
-        prompt, prompt_text = self._prompt(rollout_id, body)
+        prompt, prompt_text, faithful = self._prompt(rollout_id, body)
         forward = completions_body(body, prompt)
         top = body.get("top_logprobs")
         top_k = top if isinstance(top, int) and not isinstance(top, bool) else 0
@@ -190,7 +211,7 @@ class TitoEngine:
         if resp.status >= 400:
             return resp
         known = None if echo_needed(forward) else prompt
-        turn = _Turn(self, rollout_id, body, prompt, known)
+        turn = _Turn(self, rollout_id, body, prompt, known, faithful)
         if forward.get("stream") is True:
             return _StreamAnswer(resp, turn, ChatStream(parser, top_k, known_prompt=known))
         return _WholeAnswer(resp, turn, ChatAnswer(parser, top_k))
@@ -207,6 +228,7 @@ class _Turn:
     body: Mapping[str, Any]
     prompt: list[int]
     known_prompt: list[int] | None  # `prompt`, unless the backend may have cut it
+    faithful: bool  # the prompt is what the template renders for the messages
 
     def decode(self, raw: bytes) -> Any:
         """A completions answer or chunk; the echo of the prompt ids is skipped unread
@@ -232,6 +254,7 @@ class _Turn:
                 prompt_ids=np.asarray(prompt, dtype=np.int32),
                 completion_ids=np.asarray(completion_ids or (), dtype=np.int32),
                 finish_reason=finish,
+                prompt_faithful=self.faithful,
             ),
         )
 
@@ -244,6 +267,7 @@ class _WholeAnswer:
         self.status = resp.status
         self.served_by = resp.served_by
         self.failover_from = resp.failover_from
+        self.context_faithful: bool | None = turn.faithful
         self.headers: Mapping[str, str] = {"Content-Type": _JSON}
 
     async def read(self) -> bytes:
@@ -280,6 +304,7 @@ class _StreamAnswer:
         self.status = resp.status
         self.served_by = resp.served_by
         self.failover_from = resp.failover_from
+        self.context_faithful: bool | None = turn.faithful
         self.headers: Mapping[str, str] = {"Content-Type": "text/event-stream"}
 
     async def read(self) -> bytes:

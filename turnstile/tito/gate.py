@@ -2,9 +2,17 @@
 
 TITO mode renders with the tokenizer's chat template (or `chat_template`, a file) and the
 `chat_template_kwargs` defaults from settings. The template is audited first
-(`turnstile.tito.templates.audit_template`): a template that fails is refused, unless a known
-fix was verified by the audit and `tito_apply_fixes` is on (the fixed template, e.g. Qwen3's
-with earlier reasoning kept, is then used and logged), or `allow_unsafe_template` is set.
+(`turnstile.tito.templates.audit_template`), which answers two questions:
+
+* TITO-exact: can the delta be found, so every sample equals the token stream? A template
+  that is not is always refused (unless `allow_unsafe_template`).
+* Deployment-faithful: does the accumulated context equal what the template renders for
+  the same messages? With `tito_history: sampled` (the default) a template that is not is
+  used with a warning naming the first difference (TITO keeps what the model sampled);
+  with `tito_history: template` it is refused, as before.
+
+Either way a known fix verified by the audit is used when `tito_apply_fixes` is on (the
+fixed template, e.g. Qwen3's with earlier reasoning kept, is then used and logged).
 The output parsers come from the template's text unless `tool_parser` /
 `reasoning_parser` name them.
 """
@@ -14,15 +22,26 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from turnstile.backends.protocol import Backend
 from turnstile.tito.engine import RewritePolicy, TitoEngine
 from turnstile.tito.parsers import ParserSpec, parser_for_template
 from turnstile.tito.render import TemplateRenderer
-from turnstile.tito.templates import AuditError, AuditReport, audit_template, keep_reasoning_patch
+from turnstile.tito.templates import AuditError, AuditReport, audit_template
 
-__all__ = ["TemplateChoice", "TemplateRefused", "build_engine", "choose_template"]
+__all__ = [
+    "HISTORY_MODES",
+    "HistoryMode",
+    "TemplateChoice",
+    "TemplateRefused",
+    "build_engine",
+    "choose_template",
+]
+
+# What TITO's context is held to: what the model sampled, or the template's own rendering.
+HistoryMode = Literal["sampled", "template"]
+HISTORY_MODES: tuple[HistoryMode, ...] = ("sampled", "template")
 
 log = logging.getLogger("turnstile.tito")
 
@@ -64,6 +83,7 @@ def choose_template(
     apply_fixes: bool = True,
     allow_unsafe: bool = False,
     stop_token_ids: tuple[int, ...] = (),
+    history: HistoryMode = "sampled",
 ) -> TemplateChoice:
     """Audit the template and decide what TITO renders with (or refuse)."""
     template = _template_text(hf, template_path)
@@ -75,10 +95,24 @@ def choose_template(
         raise TemplateRefused(f"the chat template cannot be audited: {exc}") from exc
     if report.tito_safe:
         return TemplateChoice(template, kwargs, report, warnings=list(report.warnings))
-    verified = [fix for fix in report.fixes if fix.verified and fix.chat_template_kwargs]
+    if not report.tito_exact:
+        reasons = "; ".join(report.exact_reasons)
+        if allow_unsafe:
+            return TemplateChoice(
+                template, kwargs, report, warnings=[f"template is not TITO-exact: {reasons}"]
+            )
+        raise TemplateRefused(
+            f"the chat template is not TITO-exact (not safe for TITO mode): {reasons} "
+            "(see `turnstile check-template`; allow_unsafe_template accepts it anyway)"
+        )
+    verified = [
+        fix
+        for fix in report.fixes
+        if fix.verified and (fix.chat_template_kwargs or fix.template is not None)
+    ]
     if apply_fixes and verified:
         fix = verified[0]
-        patched = keep_reasoning_patch(template) if "patched" in fix.description else None
+        patched = fix.template
         fixed_template = patched or template
         fixed_kwargs = {**kwargs, **(fix.chat_template_kwargs or {})}
         after = audit_template(
@@ -90,19 +124,29 @@ def choose_template(
         )
         if after.tito_safe:
             what = "patched template" if patched else "template"
-            what += f" with {fix.chat_template_kwargs}"
+            if fix.chat_template_kwargs:
+                what += f" with {fix.chat_template_kwargs}"
             return TemplateChoice(
                 fixed_template, fixed_kwargs, after, fixed=what, warnings=list(after.warnings)
             )
     reasons = "; ".join(report.reasons)
+    if history == "sampled":
+        unfaithful = (
+            "TITO is exact with this template, but its context is not what the template "
+            "renders for the same messages (TITO keeps what the model sampled; "
+            "tito_history: template refuses this): " + "; ".join(report.differences)
+        )
+        return TemplateChoice(template, kwargs, report, warnings=[unfaithful, *report.warnings])
     if allow_unsafe:
         return TemplateChoice(
             template, kwargs, report, warnings=[f"template failed the TITO audit: {reasons}"]
         )
     fixes = " ".join(f"Fix: {fix.description}" for fix in report.fixes)
     raise TemplateRefused(
-        f"the chat template is not safe for TITO mode: {reasons}. {fixes} "
-        "(see `turnstile check-template`; allow_unsafe_template accepts it anyway)"
+        f"the chat template is not safe for TITO mode with tito_history: template (its "
+        f"context is not what the template renders): {reasons}. {fixes} "
+        "(see `turnstile check-template`; tito_history: sampled keeps what the model "
+        "sampled instead; allow_unsafe_template accepts it anyway)"
     )
 
 
@@ -118,6 +162,7 @@ def build_engine(
     tool_parser: str | None = None,
     reasoning_parser: str | None = None,
     stop_token_ids: tuple[int, ...] = (),
+    history: HistoryMode = "sampled",
 ) -> TitoEngine:
     """The TITO engine for `hf` (a Hugging Face tokenizer) in front of `backend`."""
     choice = choose_template(
@@ -127,6 +172,7 @@ def build_engine(
         apply_fixes=apply_fixes,
         allow_unsafe=allow_unsafe,
         stop_token_ids=stop_token_ids,
+        history=history,
     )
     if choice.fixed:
         log.warning("TITO: the chat template failed the audit; using the %s", choice.fixed)
@@ -145,6 +191,9 @@ def build_engine(
         "template_sha256": choice.report.template_sha256,
         "fixed": choice.fixed,
         "tito_safe": choice.report.tito_safe,
+        "tito_exact": choice.report.tito_exact,
+        "deployment_faithful": choice.report.deployment_faithful,
+        "history": history,
         "tool_parser": spec.tool,
         "reasoning_parser": spec.reasoning,
     }

@@ -40,6 +40,9 @@ class TurnState:
     prompt_ids: Int32Array
     completion_ids: Int32Array
     finish_reason: str | None
+    # whether the prompt equals the template's rendering of `messages` (as far as the
+    # renderings show): True for a first turn or new segment, carried along extensions
+    prompt_faithful: bool = True
 
     @property
     def context_len(self) -> int:

@@ -39,6 +39,23 @@ class Delta:
     text: str
     history_preserved: bool  # the history renders as before up to the cut
     end_of_turn_id: int | None  # the template's end-of-turn token of the assistant turn
+    # the assistant turn as the template renders the message the harness sent back, up to
+    # and including its end-of-turn marker (compared with what was sampled)
+    turn_text: str = ""
+
+
+def _anchor(message: Mapping[str, Any]) -> str:
+    """Text an assistant turn's rendering holds near its end: its answer (after any
+    reasoning block), else its last tool call's name."""
+    content = message.get("content")
+    if isinstance(content, str) and content.strip():
+        return content.split("</think>")[-1].strip()
+    calls = message.get("tool_calls")
+    if isinstance(calls, list) and calls and isinstance(calls[-1], Mapping):
+        function = calls[-1].get("function")
+        if isinstance(function, Mapping) and isinstance(function.get("name"), str):
+            return str(function["name"])
+    return ""
 
 
 class TemplateRenderer:
@@ -108,11 +125,24 @@ class TemplateRenderer:
         limit = min(len(prompt), len(whole))
         while at < limit and prompt[at] == whole[at]:
             at += 1
+        # The history may close the message before the turn with a marker the prompt
+        # lacks (Hermes' last tool message): the rest of the prompt then follows it.
+        tail = prompt[at:]
+        if tail.strip():
+            found = whole.find(tail, at)
+            if found > at and not self._strip_markers(whole[at:found]).strip():
+                return found + len(tail)
         for marker in self._marker_ids:
             for back in range(1, len(marker)):
                 if at - back >= 0 and whole.startswith(marker, at - back):
                     return at - back
         return at
+
+    def _strip_markers(self, text: str) -> str:
+        for marker in self._marker_ids:
+            if marker:
+                text = text.replace(marker, "")
+        return text
 
     def end_of_turn(self, text: str, start: int) -> tuple[int, int] | None:
         """Where the first stop-token marker at or after `start` ends, and its id."""
@@ -141,16 +171,23 @@ class TemplateRenderer:
         # Where the assistant turn starts: after the generation prompt, or where the two
         # renderings part (a generation prompt the turn does not repeat, e.g. "<think>").
         start = self.turn_start(before, with_turn)
+        full = self.render(messages, tools, kwargs, True)
         found = self.end_of_turn(with_turn, start)
+        anchor = _anchor(history[-1])
+        if found is not None and anchor:
+            # The renderings may part before the turn (a template that keeps reasoning
+            # only in the last assistant turn): the turn ends after what it says.
+            at = with_turn.rfind(anchor)
+            if at > found[0]:
+                found = self.end_of_turn(with_turn, at + len(anchor))
         if found is None:
-            raise RenderError(
-                "the template's assistant turn does not end with a token the model stops on "
-                f"(stop ids {sorted(self.stops)})"
-            )
+            # Some templates leave a final assistant turn open (for prefilling) and close
+            # it only once a message follows: find its end in the new rendering, after as
+            # many stop-token markers as the history has before the turn.
+            return self._open_turn_delta(with_turn, start, full)
         cut, eot_id = found
         marker = self._piece(eot_id)
         count = with_turn[:cut].count(marker)
-        full = self.render(messages, tools, kwargs, True)
         at = -1
         for _ in range(count):
             at = full.find(marker, at + 1)
@@ -166,4 +203,37 @@ class TemplateRenderer:
             text=text,
             history_preserved=full[:new_cut] == with_turn[:cut],
             end_of_turn_id=eot_id,
+            turn_text=with_turn[start:cut],
+        )
+
+    def _markers_in(self, text: str) -> list[tuple[int, int, int]]:
+        """Every stop-token marker in ``text``: (start, end, token id), in order."""
+        found: list[tuple[int, int, int]] = []
+        for marker, token_id in self._marker_ids.items():
+            at = text.find(marker) if marker else -1
+            while at >= 0:
+                found.append((at, at + len(marker), token_id))
+                at = text.find(marker, at + 1)
+        return sorted(found)
+
+    def _open_turn_delta(self, with_turn: str, start: int, full: str) -> Delta:
+        """The delta where the history leaves the sampled turn open (no end-of-turn
+        marker after ``start``): the turn ends at the first stop-token marker of ``full``
+        after those the history has before it."""
+        before = len(self._markers_in(with_turn[:start]))
+        markers = self._markers_in(full)
+        if len(markers) <= before:
+            raise RenderError(
+                "the template's assistant turn does not end with a token the model stops on "
+                f"(stop ids {sorted(self.stops)})"
+            )
+        marker_start, new_cut, eot_id = markers[before]
+        text = full[new_cut:]
+        return Delta(
+            ids=self.encode(text),
+            text=text,
+            history_preserved=full[:start] == with_turn[:start]
+            and full[start:marker_start] == with_turn[start:],
+            end_of_turn_id=eot_id,
+            turn_text=full[start:new_cut],
         )

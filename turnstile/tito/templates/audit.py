@@ -1,5 +1,11 @@
 """The template audit: is a chat template safe for token-in-token-out (TITO) stitching?
 
+Two questions, answered separately. *TITO-exact* (the gate): can TITO find each turn's
+delta, so that every sample equals the token stream (``turnstile.tito.templates.exact``)?
+*Deployment-faithful* (a warning unless the history must be the template's): does the
+context TITO accumulates equal what re-rendering the conversation gives? The rest of this
+module answers the second:
+
 TITO builds turn k+1's prompt as turn k's prompt + the sampled completion (ending with the
 end-of-turn token the model sampled) + the rendering of the new messages. That equals what
 re-rendering the whole conversation gives only when every rendering extends the previous
@@ -31,6 +37,7 @@ from turnstile.tito.templates.battery import (
     Message,
     battery,
 )
+from turnstile.tito.templates.exact import check_exact
 from turnstile.tito.templates.fixes import known_fixes
 from turnstile.tito.templates.model import (
     LEVEL_CONTENT,
@@ -358,16 +365,28 @@ def _finish(collector: _Collector) -> list[KindResult]:
     return results
 
 
-def _verdict(kinds: list[KindResult], stops: set[int]) -> tuple[list[str], list[str]]:
+def _difference(kind: str, found: Break) -> str:
+    """A faithfulness difference: the kind, the cause and the exact first difference."""
+    where = f"{found.level} break in '{found.conversation}' when "
+    where += f"{', '.join(found.trigger) or 'nothing'} is appended"
+    if found.char_index is not None:
+        where += f"; first difference at char {found.char_index}"
+        if found.token_index is not None:
+            where += f", token {found.token_index}"
+        where += f": {found.earlier} became {found.later}"
+    else:
+        where += f": {found.earlier} is not in {found.later}"
+    return f"{kind}: {found.description} ({where})"
+
+
+def _verdict(kinds: list[KindResult], stops: set[int]) -> tuple[list[str], list[str], list[str]]:
+    """Exactness reasons, faithfulness differences and warnings."""
     reasons: list[str] = []
+    differences: list[str] = []
     warnings: list[str] = []
     for result in kinds:
         if result.status == STATUS_FAIL and result.break_ is not None:
-            found = result.break_
-            reasons.append(
-                f"{result.kind}: {found.description} ({found.level} break in "
-                f"'{found.conversation}' when {', '.join(found.trigger) or 'nothing'} is appended)"
-            )
+            differences.append(_difference(result.kind, result.break_))
         elif result.status == STATUS_IGNORED:
             warnings.append(
                 f"{result.kind}: the template does not render this reasoning field, so a "
@@ -376,14 +395,18 @@ def _verdict(kinds: list[KindResult], stops: set[int]) -> tuple[list[str], list[
         elif result.status == STATUS_UNSUPPORTED:
             warnings.append(f"{result.kind}: not supported by the template ({result.errors[0]})")
         end = result.end_of_turn
-        if end is not None and not end.is_stop_token:
-            marker = "no special token" if end.marker is None else repr(end.marker)
-            reasons.append(
+        # Whether TITO finds where the turn ends (a stop token the model samples, maybe
+        # the next message's header) is ``check_exact``'s question, over the following
+        # messages: a turn rendered as the last message may be left open or end with a
+        # marker the model does not stop on. Noted here as a warning.
+        if end is not None and end.marker is not None and not end.is_stop_token:
+            marker = repr(end.marker)
+            warnings.append(
                 f"{result.kind}: the assistant turn ends with {marker}, which is not a token the "
                 f"model stops on (stop ids {sorted(stops)}), so the sampled completion does not "
                 "end where the template's turn does"
             )
-    return reasons, warnings
+    return reasons, differences, warnings
 
 
 def audit_template(
@@ -434,7 +457,9 @@ def audit_template(
             "the template renders none of the audit's conversations: "
             + "; ".join(f"{name}: {outcome}" for name, outcome in outcomes.items())
         )
-    reasons, warnings = _verdict(kinds, stops)
+    reasons, differences, warnings = _verdict(kinds, stops)
+    _exact, exact_reasons = check_exact(hf, template, kwargs, sorted(stops), battery(open_think))
+    reasons += [reason for reason in exact_reasons if reason not in reasons]
     if any(marker in template for marker in _CLOCK_MARKERS):
         warnings.append(
             "the template reads the clock (strftime_now): renderings on different days differ, "
@@ -446,8 +471,8 @@ def audit_template(
         template_sha256=hashlib.sha256(template.encode()).hexdigest(),
         chat_template_kwargs=kwargs,
         vllm_messages=vllm_messages,
-        tito_safe=not reasons,
-        reasons=reasons,
+        exact_reasons=reasons,
+        differences=differences,
         warnings=warnings,
         fixes=[],
         kinds=kinds,

@@ -9,6 +9,14 @@ template re-audited, so the report says whether it actually makes the template p
   render ``<think>`` only for assistant turns after the last user query
   (``ns.last_query_index``). ``keep_reasoning_patch`` rewrites that condition the way Qwen3.6's
   template does.
+* DeepSeek-R1 distills and QwQ drop the reasoning of every earlier turn (their templates
+  keep only what follows ``</think>``) and render no ``reasoning_content``:
+  ``r1_keep_reasoning_patch`` / ``qwq_keep_reasoning_patch`` render each turn's reasoning
+  as the model samples it (``<think>\n`` ... ``</think>``) when ``preserve_thinking`` is
+  true.
+* Hermes 2 Pro / 3 render a tool response without its trailing newline while it is the
+  last message, and with it once another follows: ``hermes_tool_response_patch`` renders it
+  the same way in both.
 * Tool-call arguments re-serialised, non-ASCII escaped, end-of-turn not a stop token: described.
 
 The re-audit is the caller's (``Reaudit``): ``turnstile.tito.templates.audit`` passes one that
@@ -24,7 +32,15 @@ from typing import Any
 
 from turnstile.tito.templates.model import AuditReport, Fix
 
-__all__ = ["KEEP_REASONING_FLAGS", "Reaudit", "keep_reasoning_patch", "known_fixes"]
+__all__ = [
+    "KEEP_REASONING_FLAGS",
+    "Reaudit",
+    "hermes_tool_response_patch",
+    "keep_reasoning_patch",
+    "known_fixes",
+    "qwq_keep_reasoning_patch",
+    "r1_keep_reasoning_patch",
+]
 
 # Audits ``template`` with these template variables added to the failing report's (and no
 # fixes looked up): how a remedy is verified.
@@ -58,6 +74,123 @@ def keep_reasoning_patch(template: str) -> str | None:
         _QWEN3_EMPTY_THINK,
         f"(preserve_thinking is defined and preserve_thinking is true) or {_QWEN3_EMPTY_THINK}",
     )
+
+
+_KEEP = "(preserve_thinking is defined and preserve_thinking)"
+# DeepSeek-R1 distills: the assistant turn keeps only what follows </think>.
+_R1_DROP = (
+    "{%- set content = message['content'] -%}\n"
+    "      {%- if '</think>' in content -%}\n"
+    "        {%- set content = content.split('</think>')[-1] -%}\n"
+    "      {%- endif -%}{{'<\uff5cAssistant\uff5c>' + content + "
+    "'<\uff5cend\u2581of\u2581sentence\uff5c>'}}"
+)
+_R1_KEEP = (
+    "{%- set content = message['content'] -%}\n"
+    "      {%- if " + _KEEP + " -%}\n"
+    "        {%- if '</think>' in content -%}"
+    "{%- set content = '<think>\\n' + content.split('<think>')[-1].lstrip('\\n') -%}\n"
+    "        {%- elif message['reasoning_content'] is defined and "
+    "message['reasoning_content'] -%}"
+    "{%- set content = '<think>\\n' + message['reasoning_content'] + '\\n</think>\\n\\n' "
+    "+ content -%}\n"
+    "        {%- else -%}{%- set content = '<think>\\n</think>\\n\\n' + content -%}\n"
+    "        {%- endif -%}\n"
+    "      {%- elif '</think>' in content -%}\n"
+    "        {%- set content = content.split('</think>')[-1] -%}\n"
+    "      {%- endif -%}{{'<\uff5cAssistant\uff5c>' + content + "
+    "'<\uff5cend\u2581of\u2581sentence\uff5c>'}}"
+)
+# QwQ: an earlier turn keeps only what follows </think>; reasoning_content is not read.
+_QWQ_DROP = (
+    "{%- set content = message.content %}\n"
+    "        {%- if not loop.last %}\n"
+    "            {%- set content = message.content.split('</think>')[-1].lstrip('\\n') %}\n"
+    "        {%- endif %}"
+)
+_QWQ_KEEP = (
+    "{%- set content = message.content %}\n"
+    "        {%- if " + _KEEP + " %}\n"
+    "            {%- if '</think>' in content %}\n"
+    "                {%- set content = '<think>\\n' + "
+    "content.split('<think>')[-1].lstrip('\\n') %}\n"
+    "            {%- elif message.reasoning_content %}\n"
+    "                {%- set content = '<think>\\n' + message.reasoning_content + "
+    "'\\n</think>\\n\\n' + content %}\n"
+    "            {%- else %}\n"
+    "                {%- set content = '<think>\\n</think>\\n\\n' + content %}\n"
+    "            {%- endif %}\n"
+    "        {%- elif not loop.last %}\n"
+    "            {%- set content = message.content.split('</think>')[-1].lstrip('\\n') %}\n"
+    "        {%- endif %}"
+)
+# Hermes 2 Pro / 3: the last tool response lacks the newline it has once another follows.
+_HERMES_LAST_TOOL = "{%- else %}\n            {{- '\n</tool_response>' }}"
+_HERMES_FIXED = "{%- else %}\n            {{- '\n</tool_response>\n' }}"
+
+
+# R1 distills' first tool call of a turn, opened without the <think> block.
+_R1_CALLS = "{{'<\uff5cAssistant\uff5c><\uff5ctool\u2581calls\u2581begin\uff5c>"
+_R1_CALLS_KEEP = (
+    "{{'<\uff5cAssistant\uff5c>' + ((('<think>\\n' + message['reasoning_content'] + "
+    "'\\n</think>\\n\\n') if (message['reasoning_content'] is defined and "
+    "message['reasoning_content']) else '<think>\\n</think>\\n\\n') if " + _KEEP + " "
+    "else '') + '<\uff5ctool\u2581calls\u2581begin\uff5c>"
+)
+# QwQ's tool-call turn: the content (with the reasoning kept, the <think> block) only when
+# there is content.
+_QWQ_CALLS = "{{- '<|im_start|>' + message.role }}\n        {%- if message.content %}"
+_QWQ_CALLS_KEEP = (
+    "{{- '<|im_start|>' + message.role }}\n        {%- if message.content or " + _KEEP + " %}"
+)
+
+
+# R1 distills: a tool-call turn after tool outputs does not close them (a text turn does).
+_R1_TOOL_ROUND = (
+    "{%- if message['role'] == 'assistant' and message['tool_calls'] -%}\n"
+    "    {%- set ns.is_tool = false -%}"
+)
+_R1_TOOL_ROUND_KEEP = (
+    "{%- if message['role'] == 'assistant' and message['tool_calls'] -%}\n"
+    "    {%- if ns.is_tool and " + _KEEP + " -%}"
+    "{{'<\uff5ctool\u2581outputs\u2581end\uff5c>'}}{%- endif -%}\n"
+    "    {%- set ns.is_tool = false -%}"
+)
+
+
+def r1_keep_reasoning_patch(template: str) -> str | None:
+    """A DeepSeek-R1-distill template that renders each assistant turn's reasoning (from
+    ``reasoning_content`` or a ``<think>`` block in the content) after ``<think>\n``, as
+    the model samples it after the generation prompt, when ``preserve_thinking`` is true;
+    None when the template is not one of these."""
+    if _R1_DROP not in template or "preserve_thinking" in template:
+        return None
+    patched = template.replace(_R1_DROP, _R1_KEEP).replace(_R1_CALLS, _R1_CALLS_KEEP)
+    return patched.replace(_R1_TOOL_ROUND, _R1_TOOL_ROUND_KEEP)
+
+
+def qwq_keep_reasoning_patch(template: str) -> str | None:
+    """QwQ's template rendering every assistant turn's reasoning after ``<think>\n`` when
+    ``preserve_thinking`` is true; None when the template is not QwQ's."""
+    if template.count(_QWQ_DROP) == 0 or "preserve_thinking" in template:
+        return None
+    return template.replace(_QWQ_DROP, _QWQ_KEEP).replace(_QWQ_CALLS, _QWQ_CALLS_KEEP)
+
+
+def hermes_tool_response_patch(template: str) -> str | None:
+    """A Hermes template whose last tool response ends with the newline it has once
+    another message follows; None when the template is not one of these."""
+    if _HERMES_LAST_TOOL not in template:
+        return None
+    return template.replace(_HERMES_LAST_TOOL, _HERMES_FIXED)
+
+
+# Rewrites that keep earlier reasoning, each verified with preserve_thinking=true.
+_KEEP_PATCHES = (
+    ("Qwen3/Qwen3.5", keep_reasoning_patch),
+    ("DeepSeek-R1 distill", r1_keep_reasoning_patch),
+    ("QwQ", qwq_keep_reasoning_patch),
+)
 
 
 def _reasoning_broken(report: AuditReport) -> bool:
@@ -101,8 +234,32 @@ def known_fixes(template: str, report: AuditReport, reaudit: Reaudit) -> list[Fi
                     verified=after.tito_safe,
                 )
             )
-        patched = None if flagged else keep_reasoning_patch(template)
-        if patched is not None:
+        patched, family = None, ""
+        for name, patch in () if flagged else _KEEP_PATCHES:
+            patched = patch(template)
+            if patched is not None:
+                family = name
+                break
+        if patched is not None and family != "Qwen3/Qwen3.5":
+            flag = {"preserve_thinking": True}
+            if "enable_thinking" in template:  # llama.cpp's copies can turn thinking off
+                flag["enable_thinking"] = True
+            after = reaudit(patched, flag)
+            fixes.append(
+                Fix(
+                    f"the {family} template keeps only what follows </think> in earlier "
+                    "assistant turns, so every new message drops the reasoning the model "
+                    "sampled. The patched template renders each turn's reasoning after "
+                    '<think>\n, as sampled, with chat_template_kwargs {"preserve_thinking": '
+                    "true} (vLLM --chat-template FILE for record mode; TITO mode uses it "
+                    "itself). The model was trained without earlier reasoning in its "
+                    "context, so keeping it changes what it sees; " + _outcome(after),
+                    chat_template_kwargs=flag,
+                    verified=after.tito_safe,
+                    template=patched,
+                )
+            )
+        elif patched is not None:
             flag = {"preserve_thinking": True}
             after = reaudit(patched, flag)
             fixes.append(
@@ -122,6 +279,7 @@ def known_fixes(template: str, report: AuditReport, reaudit: Reaudit) -> list[Fi
                     + _outcome(after),
                     chat_template_kwargs=flag,
                     verified=after.tito_safe,
+                    template=patched,
                 )
             )
         elif not flagged:
@@ -133,6 +291,23 @@ def known_fixes(template: str, report: AuditReport, reaudit: Reaudit) -> list[Fi
                     "as sampled, or accept a split training sequence at every turn."
                 )
             )
+    hermes = hermes_tool_response_patch(template)
+    if hermes is not None and any(
+        result.kind == "tool" and result.break_ is not None for result in report.kinds
+    ):
+        after = reaudit(hermes, {})
+        fixes.append(
+            Fix(
+                "the template renders a tool response without its trailing newline while it "
+                "is the last message and with it once another follows, so the context of "
+                "the turn after a tool call differs from a re-render. The patched template "
+                "renders it the same way in both (as the model saw it in training, where a "
+                "tool response is always followed); " + _outcome(after),
+                chat_template_kwargs={},
+                verified=after.tito_safe,
+                template=hermes,
+            )
+        )
     descriptions = " ".join(
         result.break_.description for result in report.kinds if result.break_ is not None
     )
@@ -154,7 +329,10 @@ def known_fixes(template: str, report: AuditReport, reaudit: Reaudit) -> list[Fi
                 "characters the model sampled."
             )
         )
-    if any("not a token the model stops on" in reason for reason in report.reasons):
+    if any(
+        "not a token the model stops on" in reason or "does not end with a token" in reason
+        for reason in [*report.reasons, *report.warnings]
+    ):
         fixes.append(
             Fix(
                 "add the assistant's end-of-turn token to generation_config.json's "

@@ -1,8 +1,11 @@
 """The template audit's result types and their JSON form.
 
 ``AuditReport`` is what ``audit_template`` returns and ``turnstile check-template --json``
-writes (``to_dict``; schema ``JSON_SCHEMA``): the verdict, per message kind whether its
-rendering is prefix-preserving and where it breaks, the end-of-turn markers, and known fixes.
+writes (``to_dict``; schema ``JSON_SCHEMA``): the two answers (``tito_exact``: TITO finds
+every delta, so every sample equals the token stream; ``deployment_faithful``: the context
+TITO accumulates equals what the template renders for the same messages), per message kind
+whether its rendering is prefix-preserving and where it breaks, the end-of-turn markers,
+and known fixes.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ __all__ = [
     "KindResult",
 ]
 
-JSON_SCHEMA = "turnstile.template-audit/1"
+JSON_SCHEMA = "turnstile.template-audit/2"
 
 # A kind's status. "ignored": its renderings are prefix-preserving but the template drops
 # the reasoning it carries in every turn (it reads another field, or none); a re-render then
@@ -102,29 +105,65 @@ class KindResult:
 
 @dataclass(frozen=True)
 class Fix:
-    """A known way around a failure. ``chat_template_kwargs``, when set, were re-audited:
-    ``verified`` says whether the template then passes."""
+    """A known way around a failure. ``chat_template_kwargs`` and ``template`` (a patched
+    template text), when set, were re-audited: ``verified`` says whether the template then
+    passes."""
 
     description: str
     chat_template_kwargs: dict[str, Any] | None = None
     verified: bool | None = None
+    template: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form: the patched template's text is left out (its presence is not)."""
+        return {
+            "description": self.description,
+            "chat_template_kwargs": self.chat_template_kwargs,
+            "verified": self.verified,
+            "patched_template": self.template is not None,
+        }
 
 
 @dataclass
 class AuditReport:
+    """The audit's answers. ``exact_reasons``: why TITO cannot find the delta (empty:
+    ``tito_exact``, the gate); ``differences``: where the accumulated context differs from a
+    re-render, with the first difference and the kinds concerned (empty:
+    ``deployment_faithful``, a warning unless ``--tito-history template``)."""
+
     tokenizer: str
     template_source: str
     template_sha256: str
     chat_template_kwargs: dict[str, Any]
     vllm_messages: bool
-    tito_safe: bool
-    reasons: list[str]
+    exact_reasons: list[str]
+    differences: list[str]
     warnings: list[str]
     fixes: list[Fix]
     kinds: list[KindResult]
     stop_token_ids: list[int]
     generation_prompt: str
     conversations: dict[str, str]  # name -> "ok" or why it could not be rendered
+
+    @property
+    def tito_exact(self) -> bool:
+        """TITO finds every delta: every sample equals the token stream."""
+        return not self.exact_reasons
+
+    @property
+    def deployment_faithful(self) -> bool:
+        """The accumulated context equals what the template renders for the messages."""
+        return not self.differences
+
+    @property
+    def tito_safe(self) -> bool:
+        """Both: exact, and faithful to the template's own rendering."""
+        return self.tito_exact and self.deployment_faithful
+
+    @property
+    def reasons(self) -> list[str]:
+        """Every reason the template is not TITO-safe (exactness first)."""
+        return [*self.exact_reasons, *self.differences]
 
     def kind(self, name: str) -> KindResult:
         for result in self.kinds:
@@ -143,10 +182,14 @@ class AuditReport:
             "template_sha256": self.template_sha256,
             "chat_template_kwargs": self.chat_template_kwargs,
             "vllm_messages": self.vllm_messages,
+            "tito_exact": self.tito_exact,
+            "deployment_faithful": self.deployment_faithful,
             "tito_safe": self.tito_safe,
+            "exact_reasons": self.exact_reasons,
+            "differences": self.differences,
             "reasons": self.reasons,
             "warnings": self.warnings,
-            "fixes": [asdict(fix) for fix in self.fixes],
+            "fixes": [fix.to_dict() for fix in self.fixes],
             "kinds": {result.kind: result.to_dict() for result in self.kinds},
             "stop_token_ids": self.stop_token_ids,
             "generation_prompt": self.generation_prompt,

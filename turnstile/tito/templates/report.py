@@ -32,6 +32,8 @@ def _kind_line(result: KindResult) -> str:
 def format_report(report: AuditReport, label: str) -> str:
     """The report as terminal text; ``label`` names what was audited."""
     verdict = "TITO-safe" if report.tito_safe else "NOT TITO-safe"
+    exact = "yes" if report.tito_exact else "NO (refused in TITO mode)"
+    faithful = "yes" if report.deployment_faithful else "no (a warning with --tito-history sampled)"
     lines = [
         f"template audit: {label}",
         f"tokenizer: {report.tokenizer}",
@@ -58,8 +60,10 @@ def format_report(report: AuditReport, label: str) -> str:
                 lines.append(f"        later tokens:   {found.later_tokens}")
         elif result.errors:
             lines.append(f"      {result.errors[0]}")
-    lines += ["", f"verdict: {verdict}"]
-    lines += [f"  reason: {reason}" for reason in report.reasons]
+    lines += ["", f"TITO-exact: {exact}", f"deployment-faithful: {faithful}"]
+    lines += [f"verdict: {verdict}"]
+    lines += [f"  reason: {reason}" for reason in report.exact_reasons]
+    lines += [f"  difference: {difference}" for difference in report.differences]
     lines += [f"  warning: {warning}" for warning in report.warnings]
     for fix in report.fixes:
         status = {True: " [verified]", False: " [does not fix it]", None: ""}[fix.verified]
