@@ -108,13 +108,13 @@ class TurnRecord:
     policy_version_spans: list[tuple[int, int]] = field(default_factory=list)
     # a whole (non-streamed) call that a policy switch fell inside: where is not known
     policy_switch_unlocated: bool = False
+    # TITO mode: whether the prompt equals the chat template's rendering of the request's
+    # messages (deployment-faithful); None in record mode
+    tito_context_faithful: bool | None = None
 
     def version_spans(self) -> list[tuple[int, int]]:
         """`policy_version_spans`, or the one span of a turn sampled under one version."""
         return self.policy_version_spans or [(0, self.policy_version)]
-    # TITO mode: whether the prompt equals the chat template's rendering of the request's
-    # messages (deployment-faithful); None in record mode
-    tito_context_faithful: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)
