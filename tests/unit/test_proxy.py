@@ -327,9 +327,9 @@ def test_policy_version_admin_and_header(make_app: MakeApp) -> None:
     h = make_app(policy_version=2)
     with TestClient(h.app) as client:
         client.post("/v1/chat/completions", json=chat_body())
-        assert client.post("/admin/policy_version", json={"policy_version": 7}).json() == {
-            "policy_version": 7
-        }
+        switched = client.post("/admin/policy_version", json={"policy_version": 7}).json()
+        assert switched["policy_version"] == 7
+        assert switched["mode"] == "keep"
         client.post("/v1/chat/completions", json=chat_body())
         client.post(
             "/v1/chat/completions", json=chat_body(), headers={"X-Turnstile-Policy-Version": "9"}
