@@ -152,7 +152,7 @@ def test_a_weight_push_is_fenced(
 # (tokens after it carry the new version); `pause` streams are waited for; `abort` ones are
 # cut, so they may be far longer than the test could wait for.
 STREAMS = 3
-MODE_TOKENS = {"keep": 400, "pause": 120, "abort": 4000}
+MODE_TOKENS = {"keep": 1000, "pause": 800, "abort": 4000}
 # A stream is "in flight" once it has relayed this many events.
 STARTED_EVENTS = 3
 # A stream cut by `abort` is retried by the harness with this many tokens.

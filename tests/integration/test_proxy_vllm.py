@@ -25,6 +25,7 @@ import openai
 import pytest
 
 from tests.live import TurnstileServer
+from turnstile.output.schema import SCHEMA_VERSION
 from turnstile.reader import open_output
 
 MODEL = "tiny-qwen3"
@@ -397,7 +398,9 @@ def test_serve_command_publishes_everything_on_sigterm(
     assert rollout["rollout_id"] == "left-open" and rollout["status"] == "interrupted"
     assert not list((out / ".tmp").glob("*")), "a staged file was left behind"
     meta = reader.metadata("turns")[0]
-    assert meta["turnstile.schema_version"] == "3" and MODEL in meta["turnstile.model"]
+    assert (
+        meta["turnstile.schema_version"] == str(SCHEMA_VERSION) and MODEL in meta["turnstile.model"]
+    )
 
 
 def _vllm_metric(base_url: str, name: str, label: str = "") -> float:
