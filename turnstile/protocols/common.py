@@ -126,6 +126,20 @@ def tool_call_deltas(delta: dict[str, Any]) -> list[dict[str, Any]]:
     return [c for c in calls if isinstance(c, dict)]
 
 
+def tool_call_fragment(call: dict[str, Any]) -> tuple[int, str | None, str | None]:
+    """`(index, name, arguments)` of one tool-call fragment of a chat delta: the index 0
+    when it is missing or not an integer, the name and arguments None unless strings."""
+    index = call.get("index", 0)
+    fn = call.get("function")
+    if not isinstance(fn, dict):
+        fn = {}
+    return (
+        index if isinstance(index, int) else 0,
+        text_or_none(fn.get("name")),
+        text_or_none(fn.get("arguments")),
+    )
+
+
 def usage_counts(obj: dict[str, Any]) -> tuple[int, int] | None:
     """`(prompt_tokens, completion_tokens)` of a chat answer's usage, if it has one."""
     usage = obj.get("usage")

@@ -20,6 +20,7 @@ from turnstile.protocols.common import (
     sse_event,
     text_or_none,
     tool_call_deltas,
+    tool_call_fragment,
     usage_counts,
 )
 from turnstile.protocols.messages import MessagesCall, error_event, message_id, stop_reason
@@ -117,17 +118,12 @@ class MessagesStream:
 
     def _tool_delta(self, call: dict[str, Any]) -> bytes:
         out = b""
-        index = call.get("index", 0)
-        index = index if isinstance(index, int) else 0
-        fn = call.get("function") if isinstance(call.get("function"), dict) else {}
-        assert isinstance(fn, dict)
-        name = text_or_none(fn.get("name"))
+        index, name, arguments = tool_call_fragment(call)
         if index not in self.tool_ids and (call.get("id") or name):
             self.tool_ids[index] = str(call.get("id") or f"toolu_{uuid.uuid4().hex}")
             block = {"type": "tool_use", "id": self.tool_ids[index], "name": name or ""}
             out += self._open({**block, "input": {}})
             self.tool_index, self.tool_used = index, True
-        arguments = text_or_none(fn.get("arguments"))
         if arguments and self.tool_index == index:
             out += self._delta({"type": "input_json_delta", "partial_json": arguments})
         return out

@@ -26,6 +26,7 @@ from turnstile.protocols.common import (
     sse_event,
     text_or_none,
     tool_call_deltas,
+    tool_call_fragment,
     usage_counts,
 )
 
@@ -166,11 +167,7 @@ class ResponsesStream:
 
     def _tool_delta(self, call: dict[str, Any]) -> bytes:
         out = b""
-        index = call.get("index", 0)
-        index = index if isinstance(index, int) else 0
-        fn = call.get("function") if isinstance(call.get("function"), dict) else {}
-        assert isinstance(fn, dict)
-        name = text_or_none(fn.get("name"))
+        index, name, arguments = tool_call_fragment(call)
         if index not in self.calls and (call.get("id") or name):
             call_id = str(call.get("id") or r.item_id("call"))
             function = {"name": name or "", "arguments": ""}
@@ -179,7 +176,6 @@ class ResponsesStream:
             item = r.function_call_item(r.item_id("fc"), call_id, names, "", "in_progress")
             out += self._open("function_call", item)
             self.tool_index = index
-        arguments = text_or_none(fn.get("arguments"))
         if arguments and index in self.calls:
             self.calls[index]["function"]["arguments"] += arguments
             if self.tool_index == index:
