@@ -13,6 +13,7 @@ from turnstile.output.schema import rollouts_table, samples_table, turns_table
 from turnstile.output.shards import Sink, SinkError, SinkProgress
 from turnstile.records import (
     BreakKind,
+    MediaRecord,
     QuarantineRecord,
     Reward,
     RolloutRecord,
@@ -37,6 +38,7 @@ class InMemorySink:
     samples: list[SampleRecord] = field(default_factory=list)
     rollouts: list[RolloutRecord] = field(default_factory=list)
     quarantine: list[QuarantineRecord] = field(default_factory=list)
+    media: list[MediaRecord] = field(default_factory=list)
     pending_turns: list[TurnRecord] = field(default_factory=list)
     pending_samples: list[SampleRecord] = field(default_factory=list)
     pending_rollouts: list[RolloutRecord] = field(default_factory=list)
@@ -62,6 +64,11 @@ class InMemorySink:
     def write_rollouts(self, records: Sequence[RolloutRecord]) -> None:
         self._check()
         self.pending_rollouts.extend(records)
+
+    def write_media(self, records: Sequence[MediaRecord]) -> None:
+        self._check()
+        stored = {m.sha256 for m in self.media}
+        self.media.extend(r for r in records if r.sha256 not in stored)
 
     def write_quarantine(self, records: Sequence[QuarantineRecord]) -> None:
         self._check()

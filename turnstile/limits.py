@@ -29,8 +29,12 @@ MAX_PASSTHROUGH_BODY_BYTES = 64 * 1024 * 1024
 OUTPUT_FILE_MODE = 0o600
 
 # --- client side ---------------------------------------------------------------------
-# Long agent contexts (128k tokens of text, base64 images) stay well under 32 MiB.
+# Long agent contexts (128k tokens of text, base64 images) stay well under 32 MiB; a
+# screenshot agent's call with a dozen 1-2 MB PNGs (base64: 4/3 of that) too. A rollout
+# with more images sends them across calls; each is journaled once per rollout.
 MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
+# One image, decoded (OpenAI's own per-image limit): checked before it is hashed.
+MAX_IMAGE_BYTES = 20 * 1024 * 1024
 # Bodies being read at once, all requests together: eight of the largest. A ninth waits
 # for none of them: it gets 503 with Retry-After (slow clients cannot pin the memory).
 MAX_BUFFERED_BODY_BYTES = 8 * MAX_REQUEST_BODY_BYTES

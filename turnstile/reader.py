@@ -15,6 +15,7 @@ import enum
 import json
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, TypedDict
 
@@ -105,6 +106,7 @@ _SAMPLE_ARRAY_COLUMNS: Final[tuple[str, ...]] = (
     "reward",
     "policy_versions",
     "policy_version_spans",
+    "image_spans",
 )
 # The version of a token that was not sampled (prompt, padding, aborted turns).
 NO_VERSION: Final[int] = -1
@@ -134,6 +136,29 @@ class SampleArrays(TypedDict):
     policy_versions: npt.NDArray[np.int64]
     # the version that sampled each token of input_ids (NO_VERSION off the loss mask)
     behavior_versions: npt.NDArray[np.int64]
+    # the sample's images in order, with their placeholder spans in input_ids (the bytes:
+    # `ShardReader.images`)
+    images: list[ImageSpan]
+
+
+class ImageSpan(TypedDict):
+    """One image of a turn or sample: its hash in the `media` table (None: a remote image
+    recorded by URL only), its URL (None: inline data), and where its placeholder tokens
+    are (None: not located)."""
+
+    sha256: str | None
+    url: str | None
+    start: int | None
+    length: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class StoredImage:
+    """An image's bytes as the backend received them, from the `media` table."""
+
+    sha256: str
+    mime_type: str
+    data: bytes
 
 
 def rewards_dict(struct_list: pa.Scalar | Sequence[Mapping[str, Any]] | None) -> dict[str, float]:
@@ -421,6 +446,35 @@ class ShardReader:
 
     # ------------------------------------------------------------ iteration
 
+    def images(self, sha256s: Iterable[str | None]) -> dict[str, StoredImage]:
+        """The stored images with these hashes (each read once; None entries, remote
+        images recorded by URL only, are skipped). `KeyError` names any hash that no
+        published media shard holds."""
+        wanted = sorted({h for h in sha256s if h is not None})
+        if not wanted:
+            return {}
+        table = self.dataset("media").to_table(
+            columns=["sha256", "mime_type", "data"], filter=pc.field("sha256").isin(wanted)
+        )
+        found: dict[str, StoredImage] = {}
+        for sha, mime, data in zip(
+            table.column("sha256").to_pylist(),
+            table.column("mime_type").to_pylist(),
+            table.column("data").to_pylist(),
+            strict=True,
+        ):
+            found.setdefault(sha, StoredImage(sha, mime, data))
+        missing = [h for h in wanted if h not in found]
+        if missing:
+            raise KeyError(f"no published media shard holds image {missing[0]}")
+        return found
+
+    def sample_images(self, sample: SampleArrays) -> list[tuple[ImageSpan, StoredImage | None]]:
+        """A sample's images in order, each with its bytes (None for a remote image
+        recorded by URL only)."""
+        stored = self.images(i["sha256"] for i in sample["images"])
+        return [(i, None if i["sha256"] is None else stored[i["sha256"]]) for i in sample["images"]]
+
     def iter_batches(
         self,
         table: TableName,
@@ -546,6 +600,7 @@ def _batch_arrays(batch: pa.RecordBatch) -> Iterator[SampleArrays]:
     rewards = batch.column("rewards").to_pylist()
     reward = batch.column("reward").to_pylist()
     spans = batch.column("policy_version_spans").to_pylist()
+    images = batch.column("image_spans").to_pylist()
     for i in range(batch.num_rows):
         loss_mask = mask[mask_off[i] : mask_off[i + 1]].copy()
         versions = vers[vers_off[i] : vers_off[i + 1]].copy()
@@ -566,6 +621,7 @@ def _batch_arrays(batch: pa.RecordBatch) -> Iterator[SampleArrays]:
             reward=reward[i],
             policy_versions=versions,
             behavior_versions=per_token,
+            images=[ImageSpan(**x) for x in images[i] or ()],
         )
 
 

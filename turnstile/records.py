@@ -55,7 +55,45 @@ class BreakKind(enum.StrEnum):
     TRUNCATED = "truncated"  # the new prompt is shorter than the previous context
     TOKEN_SOURCE = "token_source"  # a side has no exact IDs (retokenized or missing)
     BRANCH = "branch"  # a sibling choice (n > 1) or a turn that continues no chain
+    IMAGES = "images"  # same tokens, but other images (or unlocated ones) at the placeholders
     UNCLASSIFIED = "unclassified"  # a token mismatch with no tokenizer to classify it
+
+
+@dataclass(frozen=True, slots=True)
+class ImageRef:
+    """One image of a call, in the order the request gives them, and where its
+    placeholder tokens sit: in a turn's `prompt_token_ids`, or in a sample's `input_ids`.
+
+    `sha256` names the bytes in the `media` table (None for a remote image recorded by URL
+    only); `url` is the remote URL it came from (None for inline data); `start` and
+    `length` are None where the placeholders could not be located (no image token id
+    configured, or the prompt's placeholder runs do not match the request's images).
+    """
+
+    sha256: str | None
+    url: str | None
+    start: int | None
+    length: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class MediaBlob:
+    """The bytes of one image, carried with the first turn of a rollout that used it."""
+
+    sha256: str
+    mime_type: str
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class MediaRecord:
+    """One row of the `media` table: the bytes of one image, stored once per hash."""
+
+    sha256: str
+    mime_type: str
+    data: bytes
+    rollout_id: str  # the rollout that first brought it
+    stored_at: float  # unix time
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +149,13 @@ class TurnRecord:
     # TITO mode: whether the prompt equals the chat template's rendering of the request's
     # messages (deployment-faithful); None in record mode
     tito_context_faithful: bool | None = None
+    # the request's images in order, with their placeholder spans in `prompt_token_ids`
+    images: list[ImageRef] = field(default_factory=list)
+    # the bytes of images this rollout had not sent before (journaled with the turn and
+    # written once per hash to the `media` table); not a column of `turns`
+    media: list[MediaBlob] = field(default_factory=list)
+    # digest of the vision-language processor configuration the images were processed with
+    processor_digest: str | None = None
 
     def version_spans(self) -> list[tuple[int, int]]:
         """`policy_version_spans`, or the one span of a turn sampled under one version."""
@@ -161,6 +206,8 @@ class SampleRecord:
     # (first index in input_ids, policy version) of each run of sampled tokens under one
     # version, in order (the turns' `policy_version_spans` placed in the sample)
     policy_version_spans: list[tuple[int, int]] = field(default_factory=list)
+    # the images of the stitched turns, each once, with their spans in `input_ids`
+    images: list[ImageRef] = field(default_factory=list)
 
 
 @dataclass(slots=True)

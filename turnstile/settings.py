@@ -167,6 +167,18 @@ class Settings(BaseModel):
     # recorded under the version it began with and flagged `policy_switch_unlocated`.
     stream_whole_calls: bool = False
     drain_timeout_s: float = Field(default=limits.DRAIN_TIMEOUT_S, ge=0)
+    # Images (turnstile.proxy.media): the placeholder token whose runs in the prompt are
+    # the images (default: `image_token_id` of config.json in `processor` or `tokenizer`),
+    # and the model directory (or preprocessor_config.json) whose image-processor digest
+    # each image turn records (default: `tokenizer`, when it holds one).
+    image_token_id: int | None = Field(default=None, ge=0, le=limits.MAX_TOKEN_ID)
+    processor: Path | None = None
+    # Remote image URLs: "url" records the URL only (the backend fetches it); "fetch"
+    # fetches and stores the bytes and forwards them inline (hosts in remote_image_hosts
+    # only, when that is set); "refuse" answers 400.
+    remote_images: Literal["url", "fetch", "refuse"] = "url"
+    remote_image_hosts: tuple[str, ...] = ()
+    max_image_bytes: int = Field(default=limits.MAX_IMAGE_BYTES, gt=0)
 
     @model_validator(mode="before")
     @classmethod
@@ -183,6 +195,13 @@ class Settings(BaseModel):
     def _split_backends(cls, value: Any) -> Any:
         if isinstance(value, str):
             value = [v for v in value.split(",") if v.strip()]
+        return value
+
+    @field_validator("remote_image_hosts", mode="before")
+    @classmethod
+    def _split_hosts(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [v.strip().lower() for v in value.split(",") if v.strip()]
         return value
 
     @field_validator("api_key_env", mode="before")

@@ -37,6 +37,7 @@ TURN_SPANS = (
     "completion_end: int32 not null>>"
 )
 VERSION_SPANS = "list<item: struct<start: int32 not null, version: int64 not null>>"
+IMAGE_SPANS = "list<item: struct<sha256: string, url: string, start: int32, length: int32>>"
 EXPECTED_TURNS = [
     ("turn_id", "string", False),
     ("rollout_id", "string", False),
@@ -74,6 +75,8 @@ EXPECTED_TURNS = [
     ("policy_version_spans", VERSION_SPANS, True),
     ("policy_switch_unlocated", "bool", True),
     ("tito_context_faithful", "bool", True),
+    ("image_spans", IMAGE_SPANS, True),
+    ("processor_digest", "string", True),
 ]
 EXPECTED_SAMPLES = [
     ("rollout_id", "string", False),
@@ -96,6 +99,7 @@ EXPECTED_SAMPLES = [
     ("min_policy_version", "int64", True),
     ("max_policy_version", "int64", True),
     ("policy_version_spans", VERSION_SPANS, True),
+    ("image_spans", IMAGE_SPANS, True),
     ("break_kind", "string", False),
     ("break_position", "int32", True),
     ("break_detail", "string", True),
@@ -118,6 +122,14 @@ EXPECTED_ROLLOUTS = [
     ("policy_versions", "list<item: int64>", False),
     ("min_policy_version", "int64", True),
     ("max_policy_version", "int64", True),
+]
+EXPECTED_MEDIA = [
+    ("sha256", "string", False),
+    ("mime_type", "string", False),
+    ("size", "int64", False),
+    ("data", "large_binary", False),
+    ("rollout_id", "string", False),
+    ("stored_at", "timestamp[us, tz=UTC]", False),
 ]
 EXPECTED_QUARANTINE = [
     ("quarantined_at", "timestamp[us, tz=UTC]", False),
@@ -146,9 +158,10 @@ def test_schema_version_is_pinned() -> None:
         (TURNS_SCHEMA, EXPECTED_TURNS),
         (SAMPLES_SCHEMA, EXPECTED_SAMPLES),
         (ROLLOUTS_SCHEMA, EXPECTED_ROLLOUTS),
+        (SCHEMAS["media"], EXPECTED_MEDIA),
         (SCHEMAS["quarantine"], EXPECTED_QUARANTINE),
     ],
-    ids=["turns", "samples", "rollouts", "quarantine"],
+    ids=["turns", "samples", "rollouts", "media", "quarantine"],
 )
 def test_columns_are_pinned(schema: pa.Schema, expected: list[tuple[str, str, bool]]) -> None:
     assert _columns(schema) == expected

@@ -122,6 +122,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "switch during one is placed per token (default off)",
     )
     p.add_argument(
+        "--image-token-id",
+        type=int,
+        help="images: the placeholder token id whose runs in the prompt are the images "
+        "(default: image_token_id of config.json in --processor or --tokenizer)",
+    )
+    p.add_argument(
+        "--processor",
+        type=Path,
+        metavar="DIR",
+        help="images: the model directory (or preprocessor_config.json) whose image "
+        "processor digest each image turn records (default: --tokenizer's, if it has one)",
+    )
+    p.add_argument(
+        "--remote-images",
+        choices=["url", "fetch", "refuse"],
+        help="remote image URLs: record the URL only (default), fetch and store the bytes, "
+        "or refuse them",
+    )
+    p.add_argument(
+        "--remote-image-hosts",
+        metavar="HOST[,HOST...]",
+        help="with --remote-images fetch: the only hosts images are fetched from",
+    )
+    p.add_argument(
         "--backend-api-key-env",
         metavar="NAME",
         help="name of the environment variable holding the backend's API key",
@@ -181,6 +205,10 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         "reasoning_parser": args.reasoning_parser,
         "policy_version": args.policy_version,
         "stream_whole_calls": args.stream_whole_calls,
+        "image_token_id": args.image_token_id,
+        "processor": args.processor,
+        "remote_images": args.remote_images,
+        "remote_image_hosts": args.remote_image_hosts,
         "backend_api_key_env": args.backend_api_key_env,
         "writer_id": args.writer_id,
         "api_key_env": args.api_key_env,

@@ -23,6 +23,8 @@ import orjson
 
 from turnstile.jsontext import json_text
 from turnstile.records import (
+    ImageRef,
+    MediaBlob,
     Reward,
     RolloutStatus,
     Timings,
@@ -206,6 +208,7 @@ _TURN_OPT_STRS = (
     "group_id",
 )
 _TURN_INTS = ("turn_index", "choice_index", "policy_version", "http_status")
+_TURN_BLOCKS = 8  # token arrays, timings, top-k; then one block per image carried
 
 
 # --- turns -----------------------------------------------------------------------------
@@ -229,6 +232,12 @@ def encode_turn(record: TurnRecord) -> bytes:
         header["policy_switch_unlocated"] = True
     if record.tito_context_faithful is not None:  # absent in record mode and older frames
         header["tito_context_faithful"] = record.tito_context_faithful
+    if record.images:  # absent in calls without images and in older frames
+        header["images"] = [[i.sha256, i.url, i.start, i.length] for i in record.images]
+    if record.media:  # each image's bytes are one more block after the eight
+        header["media"] = [[b.sha256, b.mime_type] for b in record.media]
+    if record.processor_digest is not None:
+        header["processor_digest"] = record.processor_digest
     ttft = 0.0 if t.ttft_s is None else t.ttft_s
     blocks: list[bytes | memoryview] = [
         _raw(record.prompt_token_ids, _I32, "prompt_token_ids"),
@@ -237,6 +246,7 @@ def encode_turn(record: TurnRecord) -> bytes:
         _floats([t.received_at, t.queue_s, ttft, t.total_s]),
         *_ragged(record.top_logprob_ids, _I64),
         *_ragged(record.top_logprob_values, _F64),
+        *(b.data for b in record.media),
     ]
     return _pack(header, blocks)
 
@@ -244,8 +254,9 @@ def encode_turn(record: TurnRecord) -> bytes:
 def decode_turn(data: bytes) -> TurnRecord:
     """The `TurnRecord` that `encode_turn` encoded; `CodecError` for anything else."""
     header, blocks = _unpack(data)
-    if len(blocks) != 8:
-        raise CodecError(f"a turn has 8 blocks, not {len(blocks)}")
+    media = _media(header, blocks[_TURN_BLOCKS:])
+    if len(blocks) != _TURN_BLOCKS + len(media):
+        raise CodecError(f"a turn has {_TURN_BLOCKS} blocks and one per image, not {len(blocks)}")
     received_at, queue_s, ttft, total_s = _unfloats(blocks[3], 4)
     ttft_none = _field(header, "ttft_none", bool)
     strs = {k: _field(header, k, str) for k in _TURN_STRS}
@@ -274,7 +285,38 @@ def decode_turn(data: bytes) -> TurnRecord:
         if "policy_switch_unlocated" in header
         else False,
         tito_context_faithful=_optional_bool(header, "tito_context_faithful"),
+        images=_images(header),
+        media=media,
+        processor_digest=_optional_str(header, "processor_digest"),
     )
+
+
+def _images(header: dict[str, Any]) -> list[ImageRef]:
+    """A turn's images; [] in frames without any (and frames written before images)."""
+    out: list[ImageRef] = []
+    for item in _field(header, "images", list) if "images" in header else []:
+        if (
+            not isinstance(item, list)
+            or len(item) != 4
+            or not all(x is None or type(x) is str for x in item[:2])
+            or not all(x is None or type(x) is int for x in item[2:])
+        ):
+            raise CodecError(f"an image must be [hash, url, start, length], not {item!r:.80}")
+        out.append(ImageRef(item[0], item[1], item[2], item[3]))
+    return out
+
+
+def _media(header: dict[str, Any], blocks: list[memoryview]) -> list[MediaBlob]:
+    """The image bytes a turn carries: (hash, type) in the header, the bytes in blocks."""
+    items = _field(header, "media", list) if "media" in header else []
+    if len(items) != len(blocks):
+        raise CodecError(f"a turn lists {len(items)} images but carries {len(blocks)} blocks")
+    out: list[MediaBlob] = []
+    for item, block in zip(items, blocks, strict=True):
+        if not isinstance(item, list) or len(item) != 2 or not all(type(x) is str for x in item):
+            raise CodecError(f"an image must be [hash, mime type], not {item!r:.80}")
+        out.append(MediaBlob(item[0], item[1], bytes(block)))
+    return out
 
 
 def _version_spans(header: dict[str, Any]) -> list[tuple[int, int]]:

@@ -16,6 +16,7 @@ cannot fail the way the row it replaces did.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import enum
 import json
@@ -82,6 +83,8 @@ def _jsonable(value: Any) -> Any:
         return value if math.isfinite(value) else repr(value)
     if isinstance(value, str):
         return safe_text(value)
+    if isinstance(value, bytes | bytearray | memoryview):  # image bytes: kept exactly
+        return {"base64": base64.b64encode(bytes(value)).decode("ascii")}
     if isinstance(value, list | tuple | set | frozenset):
         return [_jsonable(v) for v in value]
     if isinstance(value, dict):

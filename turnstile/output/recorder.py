@@ -42,6 +42,7 @@ from turnstile.output.shards import Sink, SinkError
 from turnstile.output.stitch import RolloutInfo, stitch
 from turnstile.output.tokenizer import LocalTokenizer
 from turnstile.records import (
+    MediaRecord,
     QuarantineRecord,
     RolloutRecord,
     TokenSource,
@@ -342,6 +343,14 @@ class Recorder:
             kept.append(record)
         if held:
             self._quarantine(held)
+        now = time.time()
+        media = [
+            MediaRecord(blob.sha256, blob.mime_type, blob.data, record.rollout_id, now)
+            for record in records
+            for blob in record.media
+        ]
+        if media:  # before the turns that refer to them
+            self._sink.write_media(media)
         self._sink.write_turns(kept)
         self.stats.turns_written += len(kept)
 

@@ -1,6 +1,7 @@
 """The Parquet schema of Turnstile's output, declared once and versioned.
 
-Every column of the three data tables (`turns`, `samples`, `rollouts`) and of the
+Every column of the data tables (`turns`, `samples`, `rollouts`, and `media`, the bytes
+of recorded images once per content hash) and of the
 `quarantine` table (rows that could not be written, kept with the reason) is described
 exactly once, in the `Column` tuples below. Those tuples build the `pyarrow` schemas, the Parquet
 write options (which columns get dictionary encoding and statistics) and the Markdown
@@ -25,6 +26,8 @@ import numpy.typing as npt
 import pyarrow as pa
 
 from turnstile.records import (
+    ImageRef,
+    MediaRecord,
     QuarantineRecord,
     Reward,
     RolloutRecord,
@@ -36,13 +39,15 @@ from turnstile.records import (
 SCHEMA_VERSION: Final[int] = 4
 # Versions a reader of this version reads: version 1 lacks the turns' `backend` and
 # `backend_failover_from` columns, versions 1 and 2 the rollouts' `group_size`, versions
-# 1 to 3 the per-token versions (`policy_version_spans`, `policy_switch_unlocated`)
-# and the turns' `tito_context_faithful`; they read as null.
+# 1 to 3 the per-token versions (`policy_version_spans`, `policy_switch_unlocated`),
+# the turns' `tito_context_faithful`, the images (`image_spans`, `processor_digest`) and
+# the `media` table; they read as null (and no media).
 READABLE_SCHEMA_VERSIONS: Final[frozenset[int]] = frozenset({1, 2, 3, 4})
 
-TableName = Literal["turns", "samples", "rollouts", "quarantine"]
+TableName = Literal["turns", "samples", "rollouts", "media", "quarantine"]
 # The data tables a trainer reads.
-TABLES: Final[tuple[TableName, ...]] = ("turns", "samples", "rollouts")
+TABLES: Final[tuple[TableName, ...]] = ("turns", "samples", "rollouts", "media")
+MEDIA: Final = "media"
 # Rows of the data tables that could not be written, each with its reason and the record
 # itself: kept beside them, never dropped (`turnstile.output.quarantine`).
 QUARANTINE: Final = "quarantine"
@@ -119,6 +124,16 @@ VERSION_SPAN_TYPE: Final[pa.StructType] = pa.struct(
     ]
 )
 VERSION_SPANS_TYPE: Final[pa.ListType] = pa.list_(VERSION_SPAN_TYPE)
+
+IMAGE_SPAN_TYPE: Final[pa.StructType] = pa.struct(
+    [
+        pa.field("sha256", pa.string(), nullable=True),
+        pa.field("url", pa.string(), nullable=True),
+        pa.field("start", pa.int32(), nullable=True),
+        pa.field("length", pa.int32(), nullable=True),
+    ]
+)
+IMAGE_SPANS_TYPE: Final[pa.ListType] = pa.list_(IMAGE_SPAN_TYPE)
 
 _TS: Final[pa.DataType] = pa.timestamp("us", tz="UTC")
 _STR: Final[pa.DataType] = pa.string()
@@ -225,6 +240,25 @@ TURNS_COLUMNS: Final[tuple[Column, ...]] = (
         "tool-call arguments it re-serialises; the tokens are still what the model "
         "consumed); null in record mode.",
     ),
+    Column(
+        "image_spans",
+        IMAGE_SPANS_TYPE,
+        True,
+        "The request's images in order: `sha256` of the bytes in the `media` table (null "
+        "for a remote image recorded by URL only), `url` the remote URL it came from (null "
+        "for inline data), and its placeholder tokens `start`..`start + length` in "
+        "`prompt_token_ids` (null where they could not be located: no image token id "
+        "configured, or runs that do not match the images). Empty without images; null "
+        "in shards before version 4.",
+    ),
+    Column(
+        "processor_digest",
+        _STR,
+        True,
+        "Turns with images: SHA-256 of the model's image-processor configuration the "
+        "images were processed with (`turnstile.images.processor_digest`); null when none "
+        "was configured, and for turns without images.",
+    ),
 )
 
 SAMPLES_COLUMNS: Final[tuple[Column, ...]] = (
@@ -268,12 +302,21 @@ SAMPLES_COLUMNS: Final[tuple[Column, ...]] = (
         "Null in shards before version 4.",
     ),
     Column(
+        "image_spans",
+        IMAGE_SPANS_TYPE,
+        True,
+        "The images of the stitched turns, each placeholder run once, in order: `sha256` "
+        "in the `media` table, `url`, and `start`..`start + length` in `input_ids`. A "
+        "sample extends a turn only where the images it shares with it sit at the same "
+        "places. Null in shards before version 4.",
+    ),
+    Column(
         "break_kind",
         _STR,
         False,
         "Why this sample starts: `first`, or why the previous sample could not be "
         "extended (`history_rewritten`, `rerender`, `tokenization`, `truncated`, "
-        "`token_source`, `branch`, `unclassified`).",
+        "`token_source`, `branch`, `images`, `unclassified`).",
     ),
     Column("break_position", _I32, True, "Index of the first mismatching token, if any."),
     Column("break_detail", _STR, True, "Human-readable detail on the break.", text=True),
@@ -304,6 +347,17 @@ ROLLOUTS_COLUMNS: Final[tuple[Column, ...]] = (
     Column("max_policy_version", _I64, True, "Largest of `policy_versions`."),
 )
 
+MEDIA_COLUMNS: Final[tuple[Column, ...]] = (
+    Column("sha256", _STR, False, "SHA-256 of `data` (hex): how turns and samples name it."),
+    Column("mime_type", _STR, False, "`image/png`, `image/jpeg`, `image/gif` or `image/webp`."),
+    Column("size", _I64, False, "Length of `data` in bytes."),
+    Column(
+        "data", pa.large_binary(), False, "The image bytes as the backend received them.", text=True
+    ),
+    Column("rollout_id", _STR, False, "The rollout whose call first brought the image."),
+    Column("stored_at", _TS, False, "When the row was written (UTC)."),
+)
+
 QUARANTINE_COLUMNS: Final[tuple[Column, ...]] = (
     Column("quarantined_at", _TS, False, "When the row was quarantined (UTC)."),
     Column("table", _STR, False, "The table the row was meant for: `turns`, `samples`, ..."),
@@ -326,6 +380,7 @@ COLUMNS: Final[Mapping[TableName, tuple[Column, ...]]] = {
     "turns": TURNS_COLUMNS,
     "samples": SAMPLES_COLUMNS,
     "rollouts": ROLLOUTS_COLUMNS,
+    "media": MEDIA_COLUMNS,
     "quarantine": QUARANTINE_COLUMNS,
 }
 
@@ -354,11 +409,13 @@ def _schema(table: TableName) -> pa.Schema:
 TURNS_SCHEMA: Final[pa.Schema] = _schema("turns")
 SAMPLES_SCHEMA: Final[pa.Schema] = _schema("samples")
 ROLLOUTS_SCHEMA: Final[pa.Schema] = _schema("rollouts")
+MEDIA_SCHEMA: Final[pa.Schema] = _schema("media")
 QUARANTINE_SCHEMA: Final[pa.Schema] = _schema("quarantine")
 SCHEMAS: Final[Mapping[TableName, pa.Schema]] = {
     "turns": TURNS_SCHEMA,
     "samples": SAMPLES_SCHEMA,
     "rollouts": ROLLOUTS_SCHEMA,
+    "media": MEDIA_SCHEMA,
     "quarantine": QUARANTINE_SCHEMA,
 }
 
@@ -517,6 +574,17 @@ def _version_spans(rows: Sequence[Sequence[tuple[int, int]]]) -> pa.Array:
     return _struct_list(rows, VERSION_SPANS_TYPE, children)
 
 
+def _image_spans(rows: Sequence[Sequence[ImageRef]]) -> pa.Array:
+    flat = [i for row in rows for i in row]
+    children: list[list[object]] = [
+        [i.sha256 for i in flat],
+        [i.url for i in flat],
+        [i.start for i in flat],
+        [i.length for i in flat],
+    ]
+    return _struct_list(rows, IMAGE_SPANS_TYPE, children)
+
+
 def _strings(values: Sequence[str | None]) -> pa.Array:
     return pa.array(values, type=pa.string())
 
@@ -604,6 +672,8 @@ def turns_table(
         "tito_context_faithful": pa.array(
             [r.tito_context_faithful for r in records], type=pa.bool_()
         ),
+        "image_spans": _image_spans([r.images for r in records]),
+        "processor_digest": _strings([r.processor_digest for r in records]),
     }
     return _table("turns", arrays, identity)
 
@@ -650,6 +720,7 @@ def samples_table(
             [max(r.policy_versions, default=None) for r in records], type=i64
         ),
         "policy_version_spans": _version_spans([r.policy_version_spans for r in records]),
+        "image_spans": _image_spans([r.images for r in records]),
         "break_kind": _strings([_text(r.break_kind) for r in records]),
         "break_position": pa.array([r.break_position for r in records], type=i32),
         "break_detail": _strings([r.break_detail for r in records]),
@@ -688,6 +759,21 @@ def rollouts_table(
         ),
     }
     return _table("rollouts", arrays, identity)
+
+
+def media_table(
+    records: Sequence[MediaRecord], *, identity: Mapping[str, str] | None = None
+) -> pa.Table:
+    """The `media` table for `records`, one row per record."""
+    arrays = {
+        "sha256": _strings([r.sha256 for r in records]),
+        "mime_type": _strings([r.mime_type for r in records]),
+        "size": pa.array([len(r.data) for r in records], type=pa.int64()),
+        "data": pa.array([r.data for r in records], type=pa.large_binary()),
+        "rollout_id": _strings([r.rollout_id for r in records]),
+        "stored_at": _timestamps([r.stored_at for r in records]),
+    }
+    return _table("media", arrays, identity)
 
 
 def quarantine_table(

@@ -46,10 +46,12 @@ from turnstile.limits import OUTPUT_FILE_MODE
 from turnstile.output.quarantine import CONVERSION_ERRORS, isolate, quarantine
 from turnstile.output.schema import (
     ALL_TABLES,
+    MEDIA,
     META_WRITER,
     QUARANTINE,
     TableName,
     dictionary_columns,
+    media_table,
     quarantine_table,
     rollouts_table,
     samples_table,
@@ -58,7 +60,13 @@ from turnstile.output.schema import (
     turns_table,
 )
 from turnstile.reader import MANIFEST_DIR, MANIFEST_SUFFIX, MANIFEST_VERSION
-from turnstile.records import QuarantineRecord, RolloutRecord, SampleRecord, TurnRecord
+from turnstile.records import (
+    MediaRecord,
+    QuarantineRecord,
+    RolloutRecord,
+    SampleRecord,
+    TurnRecord,
+)
 
 # A turn row with 2,000 prompt and 500 completion tokens is about 10 KiB of token data
 # before compression, so 4,096 rows make shards of a few tens of MiB: large enough for
@@ -80,6 +88,15 @@ SHARD_GLOB: Final[str] = f"{SHARD_PREFIX}*{SHARD_SUFFIX}"
 
 log = logging.getLogger("turnstile.shards")
 
+# A media shard holds about this many bytes of images (a row group is held in memory
+# while it is written): a few hundred screenshots.
+MEDIA_SHARD_BYTES: Final[int] = 64 * 1024 * 1024
+# Hashes of the images this writer has stored, so each is stored once; past this many
+# (64 MiB of hashes) the memory is cleared, and an image seen again is stored again.
+MAX_REMEMBERED_MEDIA: Final[int] = 1_000_000
+# The tables whose rows name images by hash.
+_REFER_TO_MEDIA: Final[frozenset[str]] = frozenset({"turns", "samples"})
+
 _WRITER_ID_RE: Final[re.Pattern[str]] = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,159}")
 _STAGED_RE: Final[re.Pattern[str]] = re.compile(
     r"(?P<table>[a-z]+)-part-(?P<ms>\d{13})-(?P<writer>.+)-(?P<seq>\d{6,})\.parquet\.partial"
@@ -98,6 +115,11 @@ class Sink(Protocol):
     def write_samples(self, records: Sequence[SampleRecord]) -> None: ...
 
     def write_rollouts(self, records: Sequence[RolloutRecord]) -> None: ...
+
+    def write_media(self, records: Sequence[MediaRecord]) -> None:
+        """Image bytes: stored once per hash, published no later than the turns and
+        samples written after them (which refer to them)."""
+        ...
 
     def write_quarantine(self, records: Sequence[QuarantineRecord]) -> None:
         """Rows the writer could not make into records of their table, with the reason."""
@@ -147,6 +169,7 @@ _BUILDERS: Final[Mapping[TableName, _Builder]] = {
     "turns": turns_table,
     "samples": samples_table,
     "rollouts": rollouts_table,
+    "media": media_table,
     "quarantine": quarantine_table,
 }
 
@@ -166,6 +189,7 @@ _SETTLED: Final = _Settled()
 class _Buffer:
     records: list[Any] = field(default_factory=list)
     oldest: float | None = None  # time.time() when the oldest record arrived
+    data_bytes: int = 0  # media: the image bytes buffered
 
 
 def shard_name(unix_ms: int, writer_id: str, seq: int) -> str:
@@ -248,6 +272,21 @@ class ParquetShardSink:
             raise SinkError(
                 f"cannot prepare output directory {self.output_dir}: {_describe(e)}"
             ) from e
+        self._media_stored: set[str] = self._stored_media()
+
+    def _stored_media(self) -> set[str]:
+        """The hashes of the images already in the output's media shards (any writer's)."""
+        stored: set[str] = set()
+        for path in sorted((self.output_dir / MEDIA).glob(SHARD_GLOB)):
+            try:
+                column = pq.read_table(path, columns=["sha256"]).column("sha256")
+            except (OSError, pa.ArrowException, KeyError) as e:
+                log.warning("cannot read the image hashes of %s: %s", path, e)
+                continue
+            stored.update(column.to_pylist())
+            if len(stored) >= MAX_REMEMBERED_MEDIA:
+                break
+        return stored
 
     def _prepare_dirs(self) -> None:
         self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -324,6 +363,18 @@ class ParquetShardSink:
     def write_rollouts(self, records: Sequence[RolloutRecord]) -> None:
         self._write("rollouts", records)
 
+    def write_media(self, records: Sequence[MediaRecord]) -> None:
+        fresh: list[MediaRecord] = []
+        for record in records:
+            if record.sha256 in self._media_stored:
+                continue
+            if len(self._media_stored) >= MAX_REMEMBERED_MEDIA:
+                self._media_stored.clear()  # a repeat row costs space, never correctness
+            self._media_stored.add(record.sha256)
+            fresh.append(record)
+        self._buffers[MEDIA].data_bytes += sum(len(r.data) for r in fresh)
+        self._write(MEDIA, fresh)
+
     def write_quarantine(self, records: Sequence[QuarantineRecord]) -> None:
         self._write(QUARANTINE, records)
 
@@ -393,7 +444,7 @@ class ParquetShardSink:
         self._accepted[table] += len(records)
         if buffer.oldest is None:
             buffer.oldest = time.time()
-        while len(buffer.records) >= self.max_rows:
+        while len(buffer.records) >= self.max_rows or buffer.data_bytes >= MEDIA_SHARD_BYTES:
             self._publish_chunk(table)
 
     def _publish_each(self, tables: Sequence[TableName]) -> None:
@@ -412,8 +463,11 @@ class ParquetShardSink:
             raise SinkError("; ".join(str(e) for e in failures)) from failures[0]
 
     def _publish_chunk(self, table: TableName) -> None:
+        if table in _REFER_TO_MEDIA:  # a reader never finds a hash the media lack
+            while self._buffers[MEDIA].records:
+                self._publish_chunk(MEDIA)
         buffer = self._buffers[table]
-        chunk = buffer.records[: self.max_rows]
+        chunk = buffer.records[: self._chunk_rows(buffer)]
         rows = [r for r in chunk if r is not _SETTLED]
         identity = self._shard_identity()
         build = _BUILDERS[table]
@@ -518,8 +572,25 @@ class ParquetShardSink:
             raise SinkError(f"invalid shard identity: {e}") from e
         return identity
 
+    def _chunk_rows(self, buffer: _Buffer) -> int:
+        """Rows of the next shard: `max_rows`, and for media no more than about
+        `MEDIA_SHARD_BYTES` of images (at least one)."""
+        if not buffer.data_bytes:
+            return self.max_rows
+        size = rows = 0
+        for record in buffer.records[: self.max_rows]:
+            rows += 1
+            size += len(record.data) if isinstance(record, MediaRecord) else 0
+            if size >= MEDIA_SHARD_BYTES:
+                break
+        return rows
+
     @staticmethod
     def _consume(buffer: _Buffer, count: int) -> None:
+        if buffer.data_bytes:
+            buffer.data_bytes -= sum(
+                len(r.data) for r in buffer.records[:count] if isinstance(r, MediaRecord)
+            )
         del buffer.records[:count]
         buffer.oldest = time.time() if buffer.records else None
 

@@ -21,6 +21,7 @@ import orjson
 
 from turnstile.records import (
     BreakKind,
+    ImageRef,
     Reward,
     RolloutStatus,
     SampleRecord,
@@ -48,6 +49,7 @@ class _Chain:
     versions: list[int] = field(default_factory=list)
     version_spans: list[tuple[int, int]] = field(default_factory=list)
     statuses: list[str] = field(default_factory=list)
+    images: list[ImageRef] = field(default_factory=list)  # placed in input_ids
     length: int = 0
     context: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
     last: TurnRecord | None = None
@@ -63,6 +65,9 @@ class _Chain:
         completion = turn.completion_token_ids
         sampled = turn.status is TurnStatus.OK
         start = self.length
+        # the images of the new prompt tokens (positions in the prompt are positions in
+        # input_ids, as the prompt starts with the whole context)
+        self.images += [i for i in turn.images if i.start is None or i.start >= start]
         self.ids += [new_prompt, completion]
         self.mask += [
             np.zeros(len(new_prompt), dtype=np.int8),
@@ -88,6 +93,27 @@ class _Chain:
         self.context = np.concatenate([prompt, completion]).astype(np.int32, copy=False)
         self.last = turn
         self.exact = self.exact and turn.token_source is TokenSource.BACKEND
+
+
+def images_line_up(chain: _Chain, turn: TurnRecord) -> bool:
+    """Whether `turn`'s images inside `chain`'s context are the chain's images, at the
+    same placeholders: equal token ids do not make equal images (a new screenshot of the
+    same size has the same placeholders). Unlocated images never line up."""
+    if not chain.images and not turn.images:
+        return True
+    if any(i.start is None for i in chain.images) or any(i.start is None for i in turn.images):
+        return False
+    inside = [i for i in turn.images if i.start is not None and i.start < chain.length]
+    return inside == chain.images
+
+
+def _first_image_difference(chain: _Chain, turn: TurnRecord) -> int:
+    inside = [i for i in turn.images if i.start is None or i.start < chain.length]
+    for mine, theirs in zip(chain.images, inside, strict=False):
+        if mine != theirs:
+            return min(x for x in (mine.start, theirs.start, chain.length) if x is not None)
+    shorter = chain.images[len(inside) :] or inside[len(chain.images) :]
+    return shorter[0].start if shorter and shorter[0].start is not None else 0
 
 
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -168,6 +194,14 @@ def classify_break(
         return BreakKind.BRANCH, pos, f"sibling choice {turn.choice_index} of the same call"
     if not chain.exact or turn.token_source is not TokenSource.BACKEND:
         return BreakKind.TOKEN_SOURCE, pos, "a side has no exact backend token IDs; " + detail
+    if pos == len(context) and not images_line_up(chain, turn):
+        where = _first_image_difference(chain, turn)
+        return (
+            BreakKind.IMAGES,
+            where,
+            f"the tokens extend the context, but the images at the placeholders from token "
+            f"{where} differ (or could not be located)",
+        )
     extends = messages_extend(prev, turn)
     if extends is False:
         why = "messages do not extend the previous turn; "
@@ -364,6 +398,7 @@ class _Index:
                 and chain.last is not None
                 and chain.last.turn_id != turn.turn_id
                 and np.array_equal(chain.context, prompt[:length])
+                and images_line_up(chain, turn)
             ]
             if found:
                 return min(found, key=lambda c: c.index)
@@ -390,4 +425,5 @@ def _to_sample(info: RolloutInfo, chain: _Chain) -> SampleRecord:
         parent_sample_index=chain.parent,
         turn_statuses=chain.statuses,
         policy_version_spans=chain.version_spans,
+        images=chain.images,
     )

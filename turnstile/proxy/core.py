@@ -66,11 +66,19 @@ from turnstile.proxy.fencing import (
     FenceMode,
     SwitchMode,
 )
+from turnstile.proxy.media import MediaPolicy, RequestImages, collect_images, locate_images
 from turnstile.proxy.retries import Answer, AnswerCache, answer_key, is_retry
 from turnstile.proxy.rollouts import Rollout, RolloutRegistry
 from turnstile.proxy.sse import DONE, SSEError, SSEEvent, SSEParser, encode_data
 from turnstile.proxy.tokens import read_answer, scan, scan_chunk
-from turnstile.records import RolloutStatus, Timings, TokenSource, TurnRecord, TurnStatus
+from turnstile.records import (
+    MediaBlob,
+    RolloutStatus,
+    Timings,
+    TokenSource,
+    TurnRecord,
+    TurnStatus,
+)
 
 log = logging.getLogger("turnstile.proxy")
 
@@ -130,6 +138,7 @@ class _Call:
     context_faithful: bool | None = None  # TITO: the prompt is the template's rendering
     aborted: str | None = None  # why a weight-update fence cut the call
     capture: ResponseCapture | None = None
+    images: RequestImages | None = None  # the request's images (chat calls with any)
     streamed: bool = False  # the backend streams (the client's stream, or stream_whole_calls)
     own_version: bool = False  # the client named the call's policy version itself
     # Policy switches while the call was in flight: (new version, tokens each choice had
@@ -196,8 +205,10 @@ class Proxy:
         admission: Admission | None = None,
         backend_pause: bool = False,
         stream_whole_calls: bool = False,
+        media: MediaPolicy | None = None,
     ) -> None:
         self.backend = backend
+        self.media = media or MediaPolicy()
         self.fence = Fence()
         self._backend_pause = backend_pause  # drive the backend's /pause and /resume
         # Whole calls go upstream as streams (`turnstile.proxy.assemble`): a policy switch
@@ -510,7 +521,12 @@ class Proxy:
         if self._draining:
             raise Overloaded("Turnstile is shutting down", retry_after_s=5)
         self.recorder.admit()
+        # Images are checked, hashed and (remote ones, if so set) fetched before anything
+        # else happens to the call; the recorded messages refer to them by hash.
+        images = await collect_images(body, self.media) if endpoint == CHAT else None
         request = dict(body)  # the client's request, before the recording fields are added
+        if images is not None:
+            request["messages"] = images.recorded_messages
         plan = plan_request(endpoint, body, self.top_logprobs)
         assembled = self._stream_whole_calls and not plan.stream
         if assembled:
@@ -539,6 +555,7 @@ class Proxy:
             t0=t0,
             own_version=policy_version is not None,
             streamed=plan.stream or assembled,
+            images=images,
         )
         self.in_flight += 1
         self.idle.clear()
@@ -861,6 +878,9 @@ class Proxy:
             tito_context_faithful=call.context_faithful,
         )
         model = capture.model or str(req.get("model") or "")
+        images = call.images
+        if images is not None:
+            common["processor_digest"] = self.media.processor_digest
         if not capture.choices:
             return [
                 TurnRecord(
@@ -875,13 +895,16 @@ class Proxy:
                     response_message_json=None,
                     response_text=None,
                     policy_version_spans=[(0, call.policy_version)],
+                    images=[] if images is None else list(images.refs),
+                    media=self._new_media(call),
                     **common,
                 )
             ]
-        records = []
+        records: list[TurnRecord] = []
         for index in sorted(capture.choices):
             cap = capture.choices[index]
             prompt = capture.prompt_ids_for(cap)
+            prompt_ids = _EMPTY_I32 if prompt is None else np.asarray(prompt, dtype=np.int32)
             ids, lps = cap.completion_arrays(call.plan.echo)
             exact = prompt is not None and cap.saw_token_ids
             top_ids, top_values = cap.top_k(len(ids), call.plan.echo)
@@ -890,9 +913,7 @@ class Proxy:
                     choice_index=index,
                     model=model,
                     token_source=TokenSource.BACKEND if exact else TokenSource.NONE,
-                    prompt_token_ids=_EMPTY_I32
-                    if prompt is None
-                    else np.asarray(prompt, dtype=np.int32),
+                    prompt_token_ids=prompt_ids,
                     completion_token_ids=ids,
                     behavior_logprobs=lps,
                     finish_reason=cap.finish_reason,
@@ -902,10 +923,23 @@ class Proxy:
                     top_logprob_ids=top_ids,
                     top_logprob_values=top_values,
                     policy_version_spans=call.version_spans(index, len(ids)),
+                    images=[]
+                    if images is None
+                    else locate_images(images.refs, prompt_ids, self.media.image_token_id),
+                    media=self._new_media(call) if not records else [],
                     **common,
                 )
             )
         return records
+
+    @staticmethod
+    def _new_media(call: _Call) -> list[MediaBlob]:
+        """The bytes of the call's images its rollout has not journaled before: each
+        rollout's journal frames then hold every image its turns refer to."""
+        if call.images is None or not call.images.blobs:
+            return []
+        sent = {b.sha256 for turn in call.rollout.turns for b in turn.media}
+        return [b for h, b in call.images.blobs.items() if h not in sent]
 
     # -- anything else ----------------------------------------------------------------
     async def passthrough(

@@ -42,11 +42,12 @@ _ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]*")
 
 
 def turn_bytes(record: TurnRecord) -> int:
-    """About how much memory a recorded turn holds (arrays and text)."""
+    """About how much memory a recorded turn holds (arrays, text and image bytes)."""
     size = (
         record.prompt_token_ids.nbytes
         + record.completion_token_ids.nbytes
         + record.behavior_logprobs.nbytes
+        + sum(len(blob.data) for blob in record.media)
     )
     for text in (
         record.request_messages_json,

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -28,6 +29,7 @@ from turnstile.backends.factory import build_backend
 from turnstile.backends.pool import BackendPool
 from turnstile.backends.protocol import Backend, Timeouts
 from turnstile.errors import TurnstileError
+from turnstile.images import PROCESSOR_CONFIG_FILES, processor_digest
 from turnstile.journal.rebuild import JOURNAL_DIR, rebuild
 from turnstile.journal.retention import retain_forever
 from turnstile.journal.turns import TurnJournal
@@ -40,6 +42,7 @@ from turnstile.output.tokenizer import LocalTokenizer
 from turnstile.protocols.conversations import ConversationStore
 from turnstile.proxy.admission import Admission
 from turnstile.proxy.core import Proxy
+from turnstile.proxy.media import MediaPolicy
 from turnstile.runtime import tune_gc
 from turnstile.server.asgi import BodyReader, HeaderLimits
 from turnstile.server.auth import AuthMiddleware, RolloutKeys
@@ -61,6 +64,55 @@ log = logging.getLogger("turnstile")
 RESPONSES_DIR = "responses"
 # The start-up look at the backend's model list must not hold up start-up for long.
 MODEL_LIST_TIMEOUT_S = 5.0
+
+
+# TITO sends token ids to the backend's completions route, which takes no images.
+TITO_IMAGE_REFUSAL = (
+    "TITO mode sends the backend token ids on its completions route, which takes no "
+    "images (vLLM, SGLang): serve image rollouts in record mode"
+)
+
+
+def media_policy(settings: Settings) -> MediaPolicy:
+    """How calls' images are taken in: the settings, with the image token id and the
+    processor digest read from the model directory where they are not given."""
+    processor = settings.processor
+    tokenizer = settings.tokenizer
+    if processor is None and tokenizer is not None and tokenizer.is_dir():
+        has_config = any((tokenizer / n).is_file() for n in PROCESSOR_CONFIG_FILES)
+        processor = tokenizer if has_config else None
+    digest = None
+    if processor is not None:
+        try:
+            digest = processor_digest(processor)
+        except OSError as exc:
+            raise SettingsError(f"processor {processor}: {exc}") from None
+    image_token_id = settings.image_token_id
+    if image_token_id is None:
+        for directory in (processor, settings.tokenizer):
+            image_token_id = _config_image_token_id(directory)
+            if image_token_id is not None:
+                break
+    return MediaPolicy(
+        remote=settings.remote_images,
+        allowed_hosts=frozenset(settings.remote_image_hosts),
+        max_image_bytes=settings.max_image_bytes,
+        refusal=TITO_IMAGE_REFUSAL if settings.mode == "tito" else None,
+        image_token_id=image_token_id,
+        processor_digest=digest,
+    )
+
+
+def _config_image_token_id(directory: Path | None) -> int | None:
+    """`image_token_id` of a model directory's config.json, if it has one."""
+    if directory is None or not directory.is_dir():
+        return None
+    try:
+        config = orjson.loads((directory / "config.json").read_bytes())
+    except (OSError, orjson.JSONDecodeError):
+        return None
+    value = config.get("image_token_id") if isinstance(config, dict) else None
+    return value if type(value) is int and value >= 0 else None
 
 
 async def _model_identity(backend: Backend) -> str | None:
@@ -195,6 +247,7 @@ def create_app(
         ),
         backend_pause=settings.backend_pause,
         stream_whole_calls=settings.stream_whole_calls,
+        media=media_policy(settings),
     )
     peers: dict[int, Backend] = {} if worker is None else peer_clients(worker, timeouts)
 
