@@ -621,7 +621,10 @@ def _batch_arrays(batch: pa.RecordBatch) -> Iterator[SampleArrays]:
             reward=reward[i],
             policy_versions=versions,
             behavior_versions=per_token,
-            images=[ImageSpan(**x) for x in images[i] or ()],
+            images=[
+                ImageSpan(sha256=x["sha256"], url=x["url"], start=x["start"], length=x["length"])
+                for x in images[i] or ()
+            ],
         )
 
 
