@@ -300,6 +300,10 @@ class ShardReader:
         policy_version_max: int | None,
         statuses: Iterable[str | enum.Enum] | None,
     ) -> pc.Expression | None:
+        if policy_version_min is None and policy_version_max is None and statuses is None:
+            return None
+        if table not in _VERSION_RANGE:
+            raise ValueError(f"the {table} table has no policy versions or statuses to filter")
         low_col, high_col = _VERSION_RANGE[table]
         terms: list[pc.Expression] = []
         if policy_version_min is not None:

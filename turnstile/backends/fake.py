@@ -18,6 +18,8 @@ exactly unless a test makes them drift on purpose. `FakeResponse` is the in-memo
 from __future__ import annotations
 
 import asyncio
+import base64
+import struct
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -264,11 +266,54 @@ def completion_chunk(completion_id: str, model: str, choice: dict[str, Any]) -> 
 
 
 # -- the in-process fake ---------------------------------------------------------------------
+# The fake's image placeholders (private-use characters, so one token each): an image is
+# its start mark, one image token per 28x28 patch of a PNG (4 for any other image), and
+# its end mark, as Qwen2-VL lays them out.
+FAKE_IMAGE_TOKEN_ID: Final[int] = 0xE000
+FAKE_VISION_START_ID: Final[int] = 0xE001
+FAKE_VISION_END_ID: Final[int] = 0xE002
+FAKE_IMAGE_PATCH: Final[int] = 28
+_PNG_SIZE_AT: Final[int] = 16  # width and height in a PNG's IHDR chunk
+
+
+def fake_image_tokens(url: str) -> int:
+    """How many image tokens the fake gives the image at `url` (a data URL)."""
+    _, _, payload = url.partition(",")
+    try:
+        data = base64.b64decode(payload[:64], validate=False)
+    except ValueError:
+        return 4
+    if not data.startswith(b"\x89PNG") or len(data) < _PNG_SIZE_AT + 8:
+        return 4
+    width, height = struct.unpack(">II", data[_PNG_SIZE_AT : _PNG_SIZE_AT + 8])
+    return max(1, -(-width // FAKE_IMAGE_PATCH)) * max(1, -(-height // FAKE_IMAGE_PATCH))
+
+
+def _content_text(content: Any) -> str:
+    """A message's content as the fake's template renders it: text parts as they are,
+    image parts as their placeholders."""
+    if not isinstance(content, list):
+        return str(content or "")
+    out = []
+    for part in content:
+        if part.get("type") == "image_url":
+            image = part["image_url"]
+            url = image["url"] if isinstance(image, dict) else image
+            out.append(
+                chr(FAKE_VISION_START_ID)
+                + chr(FAKE_IMAGE_TOKEN_ID) * fake_image_tokens(url)
+                + chr(FAKE_VISION_END_ID)
+            )
+        else:
+            out.append(str(part.get("text", "")))
+    return "".join(out)
+
+
 def render(messages: list[dict[str, Any]]) -> str:
     """`FakeVLLM`'s chat template (tool calls as sorted JSON after the content)."""
     out = []
     for m in messages:
-        content = m.get("content") or ""
+        content = _content_text(m.get("content"))
         if m.get("tool_calls"):
             content += orjson.dumps(m["tool_calls"], option=orjson.OPT_SORT_KEYS).decode()
         out.append(f"\x01{m['role']}\n{content}\x02")
