@@ -244,11 +244,19 @@ def test_remote_images_are_fetched_stored_and_forwarded_inline(
     ("settings", "path", "status", "fragment"),
     [
         ({"remote_images": "refuse"}, "/shot.png", 400, "remote_images: refuse"),
-        ({"remote_images": "fetch", "remote_image_hosts": "example.org"}, "/shot.png", 400,
-         "only from example.org"),
+        (
+            {"remote_images": "fetch", "remote_image_hosts": "example.org"},
+            "/shot.png",
+            400,
+            "only from example.org",
+        ),
         ({"remote_images": "fetch"}, "/missing.png", 400, "answered HTTP 404"),
-        ({"remote_images": "fetch", "max_image_bytes": len(SCREENSHOT) + 10}, "/big.png", 413,
-         "over the limit"),
+        (
+            {"remote_images": "fetch", "max_image_bytes": len(SCREENSHOT) + 10},
+            "/big.png",
+            413,
+            "over the limit",
+        ),
     ],
     ids=["refuse", "host", "404", "too-big"],
 )
