@@ -24,7 +24,7 @@ from turnstile.images import media_url, processor_digest, sha256_hex, sniff_mime
 from turnstile.journal.codec import decode_turn, encode_turn
 from turnstile.output.recorder import Recorder
 from turnstile.output.shards import ParquetShardSink
-from turnstile.proxy.media import MediaPolicy, collect_images, locate_images
+from turnstile.proxy.media import collect_images, locate_images
 from turnstile.reader import open_output
 from turnstile.records import BreakKind, ImageRef, MediaBlob, MediaRecord
 from turnstile.server.app import TITO_IMAGE_REFUSAL, media_policy
