@@ -285,7 +285,7 @@ def fake_image_tokens(url: str) -> int:
         return 4
     if not data.startswith(b"\x89PNG") or len(data) < _PNG_SIZE_AT + 8:
         return 4
-    width, height = struct.unpack(">II", data[_PNG_SIZE_AT : _PNG_SIZE_AT + 8])
+    width, height = (int(v) for v in struct.unpack(">II", data[_PNG_SIZE_AT : _PNG_SIZE_AT + 8]))
     return max(1, -(-width // FAKE_IMAGE_PATCH)) * max(1, -(-height // FAKE_IMAGE_PATCH))
 
 
