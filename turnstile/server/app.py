@@ -68,8 +68,9 @@ MODEL_LIST_TIMEOUT_S = 5.0
 
 # TITO sends token ids to the backend's completions route, which takes no images.
 TITO_IMAGE_REFUSAL = (
-    "TITO mode sends the backend token ids on its completions route, which takes no "
-    "images (vLLM, SGLang): serve image rollouts in record mode"
+    "TITO mode sends the backend token ids on its /v1/completions route, which takes no "
+    "images: serve image rollouts in record mode (the default), where images are recorded "
+    "with their placeholder spans"
 )
 
 
