@@ -9,13 +9,16 @@ serves it. Both are context managers, and `start()` / `stop()` do the same by ha
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 import time
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import uvicorn
+from aiohttp import web
 
 from turnstile.limits import HEADER_READ_TIMEOUT_S
 from turnstile.server.app import create_app
@@ -129,3 +132,41 @@ class TurnstileServer(LiveServer):
     def __enter__(self) -> TurnstileServer:
         self.start()
         return self
+
+
+@contextlib.contextmanager
+def aiohttp_server(
+    handle: Callable[[web.Request], Awaitable[web.StreamResponse]],
+    *,
+    shutdown_timeout_s: float = 60.0,
+) -> Iterator[str]:
+    """Serve `handle` (every method and path) over real HTTP on a loopback port, from an
+    event loop in a thread of its own; yields the base URL."""
+    port = free_port()
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+
+    async def serve() -> web.AppRunner:
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", handle)
+        runner = web.AppRunner(app, shutdown_timeout=shutdown_timeout_s)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        return runner
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+        runner = loop.run_until_complete(serve())
+        ready.set()
+        loop.run_forever()
+        loop.run_until_complete(runner.cleanup())
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    assert ready.wait(10), "the aiohttp server did not start"
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()

@@ -10,7 +10,6 @@ the whole JSON body or the stream's `[DONE]`.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -32,6 +31,7 @@ import pytest
 from aiohttp import web
 
 from tests.fakes_backend import FakeVLLM, Reply
+from tests.live import aiohttp_server
 from turnstile.reader import check_shard, open_output
 
 KILLS = 20
@@ -69,9 +69,6 @@ def _port() -> int:
 def backend_url() -> Iterator[str]:
     """The fake vLLM behind a real HTTP server on loopback."""
     fake = FakeVLLM(lambda body: Reply(text="word " * 8, event_delay_s=0.002))
-    port = _port()
-    loop = asyncio.new_event_loop()
-    ready = threading.Event()
 
     async def handle(request: web.Request) -> web.StreamResponse:
         body = await request.read()
@@ -91,28 +88,8 @@ def backend_url() -> Iterator[str]:
             resp.close()
         return out
 
-    async def serve() -> web.AppRunner:
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", handle)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        return runner
-
-    def run() -> None:
-        asyncio.set_event_loop(loop)
-        runner = loop.run_until_complete(serve())
-        ready.set()
-        loop.run_forever()
-        loop.run_until_complete(runner.cleanup())
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    assert ready.wait(10)
-    yield f"http://127.0.0.1:{port}"
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
-    loop.close()
+    with aiohttp_server(handle) as url:
+        yield url
 
 
 class Proxy:

@@ -33,7 +33,7 @@ from aiohttp import web
 from starlette.testclient import TestClient
 
 from tests.fakes_backend import FakeVLLM, Reply
-from tests.live import LiveServer, free_port
+from tests.live import LiveServer, aiohttp_server, free_port
 from turnstile.reader import open_output
 from turnstile.server.app import create_app
 from turnstile.settings import load_settings
@@ -64,9 +64,6 @@ def _script(body: dict[str, Any]) -> Reply:
 def backend_url() -> Iterator[str]:
     """The fake vLLM over real HTTP; the request's `model` picks a misbehaviour."""
     fake = FakeVLLM(_script)
-    port = free_port()
-    loop = asyncio.new_event_loop()
-    ready = threading.Event()
 
     async def relay(
         request: web.Request, body: bytes, stall_after: int | None
@@ -133,28 +130,8 @@ def backend_url() -> Iterator[str]:
             return out
         return await relay(request, body, stall_after=None)
 
-    async def serve() -> web.AppRunner:
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", handle)
-        runner = web.AppRunner(app, shutdown_timeout=1.0)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        return runner
-
-    def run() -> None:
-        asyncio.set_event_loop(loop)
-        runner = loop.run_until_complete(serve())
-        ready.set()
-        loop.run_forever()
-        loop.run_until_complete(runner.cleanup())
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    assert ready.wait(10)
-    yield f"http://127.0.0.1:{port}"
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
-    loop.close()
+    with aiohttp_server(handle, shutdown_timeout_s=1.0) as url:
+        yield url
 
 
 async def _enumerate(chunks: Any) -> Any:
