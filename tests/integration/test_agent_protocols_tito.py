@@ -10,7 +10,6 @@ completion token for token, and each rollout must stitch into one sample.
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,14 +20,13 @@ import openai
 import pytest
 
 from tests.live import LiveServer
-from turnstile.reader import open_output
+from tests.published import published_rollout
 from turnstile.server.app import create_app
 from turnstile.settings import load_settings
 
 MODEL = "tiny-qwen3"
 MAX_TOKENS = 10
 USER_TURNS = ["Hi there", "naïve café ☕", "and then?", "last\t"]
-PUBLISH_WAIT_S = 20.0
 
 
 @pytest.fixture
@@ -50,16 +48,7 @@ def tito(vllm_server: Any, qwen3_tokenizer_dir: Path, tmp_path: Path) -> Iterato
 
 def _finished(url: str, out: Path, rollout: str) -> tuple[list[Any], list[Any]]:
     assert httpx.post(f"{url}/rollouts/{rollout}/finish", timeout=30).status_code == 200
-    deadline = time.monotonic() + PUBLISH_WAIT_S
-    while time.monotonic() < deadline:
-        if out.exists():
-            reader = open_output(out)
-            samples = [s for s in reader.samples().to_pylist() if s["rollout_id"] == rollout]
-            if samples:
-                turns = [t for t in reader.turns().to_pylist() if t["rollout_id"] == rollout]
-                return samples, sorted(turns, key=lambda t: t["turn_index"])
-        time.sleep(0.1)
-    raise AssertionError(f"rollout {rollout} was not published within {PUBLISH_WAIT_S} s")
+    return published_rollout(out, rollout)
 
 
 def _assert_one_exact_sample(samples: list[Any], turns: list[Any], calls: int) -> None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,10 +28,10 @@ import openai
 import pytest
 
 from tests.live import LiveServer
+from tests.published import published_rollout
 from turnstile.dev.llama_cpp_assets import ensure_llama_cpp_assets
 from turnstile.dev.template_corpus import R1_DISTILL_QWEN
 from turnstile.dev.vocab import build_tokenizer_dir
-from turnstile.reader import open_output
 from turnstile.server.app import create_app
 from turnstile.settings import load_settings
 
@@ -42,7 +41,6 @@ MODEL = "tiny-qwen3"
 # Short generations keep the suite fast on two CPU cores.
 MAX_TOKENS = 8
 SEED = 11
-PUBLISH_WAIT_S = 20.0
 TOOLS = [
     {
         "type": "function",
@@ -117,19 +115,6 @@ def _converse(url: str, rollout: str) -> list[dict[str, Any]]:
     return messages
 
 
-def _read(out: Path, rollout: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    deadline = time.monotonic() + PUBLISH_WAIT_S
-    while time.monotonic() < deadline:
-        if out.exists():
-            reader = open_output(out)
-            samples = [s for s in reader.samples().to_pylist() if s["rollout_id"] == rollout]
-            if samples:
-                turns = [t for t in reader.turns().to_pylist() if t["rollout_id"] == rollout]
-                return samples, sorted(turns, key=lambda t: t["turn_index"])
-        time.sleep(0.1)
-    raise AssertionError(f"rollout {rollout} was not published within {PUBLISH_WAIT_S} s")
-
-
 @pytest.mark.parametrize("name", sorted(TEMPLATES))
 def test_tito_is_exact_with_the_template(
     name: str,
@@ -159,7 +144,7 @@ def test_tito_is_exact_with_the_template(
     server = LiveServer(app).__enter__()
     serve.append(server)
     messages = _converse(server.url, f"{name}-1")
-    samples, turns = _read(tmp_path / "out", f"{name}-1")
+    samples, turns = published_rollout(tmp_path / "out", f"{name}-1")
     assert len(turns) == 4 and all(t["status"] == "ok" for t in turns)
     if name != "r1-distill":  # same tokenizer as the served model: vLLM renders alike
         text = app.state.tito.renderer.render(messages[:1], TOOLS, None, True)

@@ -12,7 +12,6 @@ survive a re-render, and every break is detected and classified.
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ import openai
 import pytest
 
 from tests.live import LiveServer
-from turnstile.reader import open_output
+from tests.published import published_rollout
 from turnstile.server.app import create_app
 from turnstile.settings import load_settings
 
@@ -37,7 +36,6 @@ USER_TURNS = [
     "",
     "last\t",
 ]
-PUBLISH_WAIT_S = 20.0
 
 
 @pytest.fixture
@@ -93,25 +91,12 @@ def _converse(url: str, rollout: str) -> None:
     assert httpx.post(f"{url}/rollouts/{rollout}/finish", timeout=30).status_code == 200
 
 
-def _read(out: Path, rollout: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    deadline = time.monotonic() + PUBLISH_WAIT_S
-    while time.monotonic() < deadline:
-        if out.exists():
-            reader = open_output(out)
-            samples = [s for s in reader.samples().to_pylist() if s["rollout_id"] == rollout]
-            if samples:
-                turns = [t for t in reader.turns().to_pylist() if t["rollout_id"] == rollout]
-                return samples, sorted(turns, key=lambda t: t["turn_index"])
-        time.sleep(0.1)
-    raise AssertionError(f"rollout {rollout} was not published within {PUBLISH_WAIT_S} s")
-
-
 def test_tito_against_vllm_is_exact_and_record_mode_flags_every_break(
     serve: Callable[[str], LiveServer], vllm_server: Any, tmp_path: Path
 ) -> None:
     tito = serve("tito")
     _converse(tito.url, "tito-1")
-    samples, turns = _read(tmp_path / "tito", "tito-1")
+    samples, turns = published_rollout(tmp_path / "tito", "tito-1")
     assert len(turns) == len(USER_TURNS)
     assert all(t["token_source"] == "backend" and t["status"] == "ok" for t in turns)
     first = httpx.post(
@@ -136,7 +121,7 @@ def test_tito_against_vllm_is_exact_and_record_mode_flags_every_break(
 
     record = serve("record")
     _converse(record.url, "record-1")
-    samples, turns = _read(tmp_path / "record", "record-1")
+    samples, turns = published_rollout(tmp_path / "record", "record-1")
     true_breaks = 0
     for prev, turn in itertools.pairwise(turns):
         context = prev["prompt_token_ids"] + prev["completion_token_ids"]
