@@ -8,10 +8,12 @@ import pytest
 from starlette.testclient import TestClient
 
 from tests.fakes_sink import make_turn
+from tests.images import png
 from tests.unit.conftest import MakeApp
+from turnstile.images import sha256_hex
 from turnstile.journal.codec import Event, RewardsPosted, RolloutCreated, encode_event
 from turnstile.journal.wal import FileJournal, list_segments
-from turnstile.records import RolloutStatus
+from turnstile.records import ImageRef, MediaBlob, RolloutStatus
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -53,3 +55,26 @@ def test_open_rollouts_are_restored_or_interrupted(
     expected = RolloutStatus.FINISHED if mode == "restore" else RolloutStatus.INTERRUPTED
     assert rollout.status is expected
     assert list_segments(tmp_path / "out" / "journal") == []  # clean stop: all published
+
+
+def test_a_crashed_runs_images_are_stored_from_the_journal(
+    make_app: MakeApp, tmp_path: Path
+) -> None:
+    """The image bytes travel in the turn's journal frame: a run killed before its
+    shards were published still gets its images into the media table."""
+    image = png(56, 28, seed=5)
+    sha = sha256_hex(image)
+    turn = make_turn("r", 0, seed=1, turn_id="call-0")
+    turn.images = [ImageRef(sha, None, 1, 2)]
+    turn.media = [MediaBlob(sha, "image/png", image)]
+    journal = FileJournal(tmp_path / "out" / "journal", fsync="always")
+    journal.append(*encode_event(RolloutCreated("r", None, None, None, False, 1.0)))
+    seq = journal.append(*encode_event(turn))
+    journal.commit(seq)
+    journal.close()
+    h = make_app(recover_open_rollouts="interrupt")
+    with TestClient(h.app):
+        pass
+    assert [(m.sha256, m.data) for m in h.sink.media] == [(sha, image)]
+    (recorded,) = [t for t in h.sink.turns if t.turn_id == "call-0"]
+    assert recorded.images == [ImageRef(sha, None, 1, 2)]
