@@ -75,6 +75,9 @@ BACKEND_POOL_SIZE = 1024
 # Turns waiting for the writer thread. At ~50 KB a turn this is ~400 MB at worst;
 # beyond it the writer is hopelessly behind and clients get 503 instead of data loss.
 RECORDER_QUEUE_SIZE = 8192
+# Image bytes in turns waiting for the writer: a screenshot turn carries MBs, so the queue's
+# item count alone does not bound its memory; past this new calls get 503.
+MAX_RECORDER_MEDIA_BYTES = 1024 * 1024 * 1024
 # A shard per this many rows keeps files large enough for efficient scans.
 SHARD_MAX_ROWS = 4096
 # ...and no row waits longer than this to become visible to a trainer.

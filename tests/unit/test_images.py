@@ -19,7 +19,7 @@ from tests.fakes_sink import InMemorySink, make_turn
 from tests.images import data_url, image_part, png
 from tests.unit.conftest import MakeApp
 from turnstile.backends.fake import FAKE_IMAGE_TOKEN_ID, fake_image_tokens
-from turnstile.errors import Unprocessable
+from turnstile.errors import Overloaded, Unprocessable
 from turnstile.images import media_url, processor_digest, sha256_hex, sniff_mime
 from turnstile.journal.codec import decode_turn, encode_turn
 from turnstile.output.recorder import Recorder
@@ -374,3 +374,19 @@ def test_the_recorder_writes_a_turns_images_before_the_turn(tmp_path: Path) -> N
     recorder._write_turns([turn])
     assert [m.sha256 for m in sink.media] == [sha256_hex(SMALL)]
     assert sink.media[0].rollout_id == "r1"
+
+
+def test_the_recorder_refuses_new_calls_while_too_many_image_bytes_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("turnstile.output.recorder.MAX_RECORDER_MEDIA_BYTES", len(SMALL))
+    recorder = Recorder(InMemorySink(), max_backlog=10)  # not started: nothing is written
+    turn = make_turn("r1", 0)
+    turn.media = [MediaBlob(sha256_hex(SMALL), "image/png", SMALL)]
+    recorder.admit()
+    recorder.submit_turns([turn])
+    with pytest.raises(Overloaded, match="MiB of images not yet written"):
+        recorder.admit()
+    recorder.start()
+    recorder.stop(10)
+    recorder.admit()  # written: room again

@@ -36,7 +36,7 @@ import numpy as np
 import orjson
 
 from turnstile.errors import Overloaded
-from turnstile.limits import PUBLISH_DELAY_S, WRITER_TICK_S
+from turnstile.limits import MAX_RECORDER_MEDIA_BYTES, PUBLISH_DELAY_S, WRITER_TICK_S
 from turnstile.output.quarantine import quarantine
 from turnstile.output.shards import Sink, SinkError
 from turnstile.output.stitch import RolloutInfo, stitch
@@ -132,6 +132,7 @@ class Recorder:
         self._tick_s = tick_s
         self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._backlog = 0
+        self._backlog_media_bytes = 0  # image bytes in queued turns
         self._lock = threading.Lock()
         self._pins: dict[int, int] = {}  # journal seq -> pieces of work holding it
         self._awaiting: deque[tuple[int, Mapping[str, int]]] = deque()  # writer thread only
@@ -185,11 +186,18 @@ class Recorder:
             raise Overloaded(
                 f"the recorder is {self._backlog} items behind; retry shortly", retry_after_s=1
             )
+        if self._backlog_media_bytes >= MAX_RECORDER_MEDIA_BYTES:
+            raise Overloaded(
+                f"the recorder holds {self._backlog_media_bytes >> 20} MiB of images not yet "
+                "written; retry shortly",
+                retry_after_s=1,
+            )
 
     def submit_turns(self, records: list[TurnRecord], pin: int | None = None) -> None:
         """Queue turn rows; `pin` is the journal seq of the first of them, if journaled."""
         with self._lock:
             self._backlog += 1
+            self._backlog_media_bytes += _media_bytes(records)
             self.stats.turns_received += len(records)
             self._hold(pin)
         self._queue.put((records, pin))
@@ -249,6 +257,8 @@ class Recorder:
                     self._awaiting.append((pin, self._sink.progress().accepted))
                 with self._lock:
                     self._backlog -= 1
+                    if not isinstance(work, SealJob):
+                        self._backlog_media_bytes -= _media_bytes(work)
                 self._roll()
         finally:
             try:
@@ -459,3 +469,7 @@ class Recorder:
         self.stats.rollouts_written += 1
         if failed is not None:
             raise failed
+
+
+def _media_bytes(records: list[TurnRecord]) -> int:
+    return sum(len(blob.data) for record in records for blob in record.media)
