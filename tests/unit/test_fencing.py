@@ -342,3 +342,30 @@ def _assert_covers(whole: Any, assembled: Any, where: str) -> None:
             _assert_covers(a, b, f"{where}[{i}]")
     else:
         assert whole == assembled, where
+
+
+def test_pause_lets_turnstiles_calls_finish_before_it_pauses_the_backend(
+    make_app: MakeApp, live: Any
+) -> None:
+    """With `backend_pause`, mode `pause` drains the calls in flight first, then pauses
+    the engine: a call of ours must never wait inside a paused engine."""
+    h = make_app(_slow_streams(), backend_pause=True)
+    proxy = h.app.state.proxy
+    in_flight_at_backend_pause: list[int] = []
+    forward = h.backend.request
+
+    async def request(method: str, path: str, body: Any, headers: Any) -> Any:
+        if path.startswith("/pause"):
+            in_flight_at_backend_pause.append(proxy.in_flight)
+        return await forward(method, path, body, headers)
+
+    h.backend.request = request  # type: ignore[method-assign]
+    server = live(h.app)
+    stream, out = _start_stream(f"{server.url}/rollouts/s/v1/chat/completions")
+    time.sleep(0.4)
+    paused = httpx.post(f"{server.url}/admin/pause", json={"mode": "pause"}, timeout=30)
+    assert paused.status_code == 200 and paused.json()["in_flight_at_pause"] == 1
+    assert in_flight_at_backend_pause == [0]
+    stream.join(30)
+    assert out["lines"][-1] == "data: [DONE]"
+    assert httpx.post(f"{server.url}/admin/resume", json={"policy_version": 1}).status_code == 200

@@ -34,7 +34,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO
@@ -48,6 +48,7 @@ from turnstile.dev.qwen3_tokenizer import (
     ensure_qwen3_tokenizer,
 )
 from turnstile.dev.tinyqwen import ensure_tiny_qwen3
+from turnstile.dev.tinyvl import ensure_tiny_vl, ensure_vision_overlay
 from turnstile.dev.vllm_env import VLLM_REQUIREMENT, ensure_vllm_env, vllm_venv_dir
 
 __all__ = [
@@ -265,6 +266,7 @@ def start_vllm(
     extra_args: Sequence[str] = (),
     log_path: Path | None = None,
     dev_mode: bool = False,
+    extra_env: Mapping[str, str] | None = None,
 ) -> VLLMServer:
     """Start vLLM serving ``model_dir`` and return at once; call ``wait_healthy()`` next.
 
@@ -293,7 +295,7 @@ def start_vllm(
             stdout=log_file,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=vllm_environment(base, dev_mode=dev_mode),
+            env={**vllm_environment(base, dev_mode=dev_mode), **(extra_env or {})},
             start_new_session=True,
         )
     except OSError:
@@ -325,6 +327,10 @@ def _parser() -> argparse.ArgumentParser:
     commands.add_parser("assets", help="fetch llama.cpp's vocabularies and templates")
     commands.add_parser("tokenizer", help="build the Qwen3 tokenizer; print its directory")
     commands.add_parser("model", help="build the tiny Qwen3 model; print its directory")
+    commands.add_parser(
+        "vl-model",
+        help="build the tiny Qwen2-VL model and vLLM's torchvision overlay; print both",
+    )
     serve = commands.add_parser("serve-vllm", help="serve a model with vLLM until Ctrl-C")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--host", default="127.0.0.1")
@@ -361,6 +367,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(ensure_qwen3_tokenizer(log=log))
         elif args.command == "model":
             print(ensure_tiny_qwen3(log=log))
+        elif args.command == "vl-model":
+            print(f"tiny vl model: {ensure_tiny_vl(log=log)}")
+            print(f"vision overlay: {ensure_vision_overlay(log=log)}")
         elif args.command == "serve-vllm":
             return _serve(args, log)
     except DevstackError as exc:

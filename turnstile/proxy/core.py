@@ -353,7 +353,10 @@ class Proxy:
                     resp.close()
                     cut += 1
             self.fence.aborted += cut
-        if self._backend_pause:
+        # `abort` stops the backend's generation at once (the calls were cut above);
+        # `pause` lets Turnstile's own calls finish first, then pauses the engine for the
+        # push, so that no call of ours can be left waiting inside a paused engine.
+        if self._backend_pause and mode == "abort":
             await self._drive_backend(f"/pause?mode={BACKEND_PAUSE_MODES[mode]}")
         try:
             await asyncio.wait_for(self.idle.wait(), FENCE_DRAIN_TIMEOUT_S)
@@ -364,6 +367,8 @@ class Proxy:
                 "POST /admin/resume",
                 retry_after_s=FENCE_RETRY_AFTER_S,
             ) from None
+        if self._backend_pause and mode != "abort":
+            await self._drive_backend(f"/pause?mode={BACKEND_PAUSE_MODES[mode]}")
         log.info("paused for a weight update (%s): %d in flight, %d cut", mode, in_flight, cut)
         return {
             "paused": True,
