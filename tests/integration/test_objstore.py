@@ -3,6 +3,7 @@ including a store outage in the middle of a run: retries, then nothing lost."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 from collections.abc import Iterator
@@ -48,6 +49,18 @@ class Store:
         self.server = None
 
 
+@contextlib.contextmanager
+def _s3(url: str) -> Iterator[Any]:
+    """A boto3 client closed when done: its pooled socket must not outlive the test (the
+    store stops mid-test, and a socket collected later is an unraisable ResourceWarning
+    that fails whichever test is running then)."""
+    client = boto3.client("s3", endpoint_url=url, region_name="us-east-1")
+    try:
+        yield client
+    finally:
+        client.close()
+
+
 @pytest.fixture
 def store(monkeypatch: pytest.MonkeyPatch) -> Iterator[Store]:
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
@@ -55,7 +68,8 @@ def store(monkeypatch: pytest.MonkeyPatch) -> Iterator[Store]:
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     s = Store()
     s.start()
-    boto3.client("s3", endpoint_url=s.url, region_name="us-east-1").create_bucket(Bucket=BUCKET)
+    with _s3(s.url) as s3:
+        s3.create_bucket(Bucket=BUCKET)
     yield s
     if s.server is not None:
         s.stop()
@@ -128,9 +142,8 @@ def test_shards_reach_the_store_through_an_outage(store: Store, tmp_path: Path) 
     assert sorted(
         out.samples(policy_version_min=2, policy_version_max=2).column("rollout_id").to_pylist()
     ) == sorted(during)
-    manifests = boto3.client("s3", endpoint_url=store.url, region_name="us-east-1").list_objects_v2(
-        Bucket=BUCKET, Prefix="run-1/_manifests/"
-    )["Contents"]
+    with _s3(store.url) as s3:
+        manifests = s3.list_objects_v2(Bucket=BUCKET, Prefix="run-1/_manifests/")["Contents"]
     assert [m["Key"] for m in manifests] == ["run-1/_manifests/replica-a.json"]
     assert publisher.stats.attempts_failed >= 2 and publisher.stats.last_error
 

@@ -164,3 +164,35 @@ def test_a_dead_backend_with_credentials_leaks_them_nowhere(
         assert all(SECRET.encode() not in v for v in metadata.values())
         assert SECRET not in repr(pq.read_table(shard).to_pylist())
     assert b"***@127.0.0.1:1" in pq.read_metadata(shards[0]).metadata[b"turnstile.backend"]
+
+
+async def test_a_body_of_many_mebibytes_reaches_the_backend_whole() -> None:
+    """Screenshot rollouts carry tens of MiB of inline images: the body is sent as is, with
+    its length, and without aiohttp's large-bytes ResourceWarning (an error in this suite)."""
+    received: list[tuple[bytes, str | None, str | None]] = []
+
+    async def handle(request: web.Request) -> web.Response:
+        received.append(
+            (
+                await request.read(),
+                request.headers.get("Content-Length"),
+                request.headers.get("Content-Type"),
+            )
+        )
+        return web.Response(body=BODY, content_type="application/json")
+
+    app = web.Application(client_max_size=64 * 2**20)
+    app.router.add_post("/v1/chat/completions", handle)
+    runner, url = await _serve(app)
+    backend = AiohttpBackend(url, Timeouts(5, 5, 5, 5), pool_size=2)
+    body = bytes(range(256)) * (12 * 2**20 // 256) + b"tail"
+    try:
+        resp = await backend.request(
+            "POST", "/v1/chat/completions", body, {"Content-Type": "application/json"}
+        )
+        assert await resp.read() == BODY
+        resp.close()
+    finally:
+        await backend.aclose()
+        await runner.cleanup()
+    assert received == [(body, str(len(body)), "application/json")]

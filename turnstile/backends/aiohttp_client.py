@@ -26,6 +26,41 @@ from turnstile.limits import MAX_PASSTHROUGH_BODY_BYTES
 # one read, small enough not to delay a single event.
 READ_CHUNK_BYTES = 64 * 1024
 
+# Above this size a body goes through `_BodyInMemory` (aiohttp's threshold for its warning).
+_LARGE_BODY_BYTES = aiohttp.payload.TOO_LARGE_BYTES_BODY
+
+
+class _BodyInMemory(aiohttp.payload.Payload):
+    """A request body Turnstile already holds whole, written in one transport write.
+
+    aiohttp's own `BytesPayload` warns (`ResourceWarning`) above 1 MiB that raw bytes
+    "might lock the event loop"; a proxy that has the body in memory already loses nothing
+    by handing it to the transport, which buffers what the socket does not take at once.
+    Screenshot rollouts send tens of MiB of inline images per call, so the warning would
+    fire on every one of them (and is an error under `-W error`).
+    """
+
+    _value: bytes
+
+    def __init__(self, value: bytes) -> None:
+        super().__init__(value, content_type="application/octet-stream")
+        self._size = len(value)
+
+    def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
+        return self._value.decode(encoding, errors)
+
+    async def as_bytes(self, encoding: str = "utf-8", errors: str = "strict") -> bytes:
+        return self._value
+
+    async def write(self, writer: aiohttp.abc.AbstractStreamWriter) -> None:
+        await writer.write(self._value)
+
+    async def write_with_length(
+        self, writer: aiohttp.abc.AbstractStreamWriter, content_length: int | None
+    ) -> None:
+        end = len(self._value) if content_length is None else content_length
+        await writer.write(self._value[:end])
+
 
 def _credentials(url: str) -> tuple[str, ...]:
     """What of the URL's credentials must not be shown: the whole user-info part and the
@@ -164,9 +199,10 @@ class AiohttpBackend:
         deadline = time.monotonic() + self._timeouts.total_s
         first_byte = min(self._timeouts.first_byte_s, self._timeouts.total_s)
         session = self._get_session()
+        data = body if body is None or len(body) <= _LARGE_BODY_BYTES else _BodyInMemory(body)
         try:
             async with asyncio.timeout(first_byte):
-                resp = await session.request(method, url, data=body, headers=out_headers)
+                resp = await session.request(method, url, data=data, headers=out_headers)
         except TimeoutError as exc:
             raise BackendTimeout(
                 f"backend {self.base_url} did not answer within {first_byte:g} s"
