@@ -158,8 +158,9 @@ class Settings(BaseModel):
     max_staleness: int = Field(default=0, ge=0)
     admission: Literal["refuse", "wait"] = "refuse"
     # During a weight update (POST /admin/pause ... /admin/resume), also pause and resume
-    # the backend's engine through its own /pause and /resume (vLLM with
-    # VLLM_SERVER_DEV_MODE=1).
+    # the backend engines themselves (turnstile.backends.control): vLLM's /pause and
+    # /resume (with VLLM_SERVER_DEV_MODE=1), SGLang's /pause_generation and
+    # /continue_generation; every backend of a pool.
     backend_pause: bool = False
     # Send whole (non-streamed) calls upstream as streams and assemble the whole answer
     # for the client (turnstile.proxy.assemble), so that a policy switch during the call

@@ -4,10 +4,13 @@ The openai client sends screenshot-sized PNGs, whole and streamed, over two turn
 rollout (the first image again in the second turn). The recorded prompt ids are vLLM's own,
 each image's span covers exactly its placeholder tokens (as many as the model's processor
 makes of it), the bytes are stored once per hash, and the processor's digest is recorded.
+The trainer's `pixel_values` and `image_grid_thw`, rebuilt from the stored bytes, equal the
+processor's output on the images the client sent.
 """
 
 from __future__ import annotations
 
+import io
 import math
 import sys
 from collections.abc import Iterator
@@ -15,9 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import openai
 import pyarrow.parquet as pq
 import pytest
+from PIL import Image
 
 from tests.images import data_url, image_part, png
 from tests.live import LiveServer
@@ -34,9 +39,10 @@ from turnstile.dev.tinyvl import (
     vision_env,
 )
 from turnstile.images import processor_digest, sha256_hex
-from turnstile.reader import open_output
+from turnstile.reader import SampleArrays, ShardReader, open_output
 from turnstile.server.app import create_app
 from turnstile.settings import load_settings
+from turnstile.train.vision import VisionProcessor
 
 SCREENSHOT = png(1280, 800, seed=1)
 WINDOW = png(640, 400, seed=2)
@@ -45,6 +51,16 @@ PATCH = 28  # 14-pixel patches merged 2x2
 
 def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
+
+
+def _pil(data: bytes) -> Image.Image:
+    with Image.open(io.BytesIO(data)) as image:
+        image.load()
+        return image.copy()
+
+
+def _sample_arrays(reader: ShardReader, sample_index: int) -> SampleArrays:
+    return next(s for s in reader.sample_arrays() if s["sample_index"] == sample_index)
 
 
 def expected_tokens(width: int, height: int) -> int:
@@ -200,6 +216,19 @@ def test_images_are_recorded_with_exact_spans_and_stored_once(
     for span in last["image_spans"]:
         run = last["input_ids"][span["start"] : span["start"] + span["length"]]
         assert set(run) == {TINY_VL_IMAGE_TOKEN_ID}
+    # The trainer's tensors, rebuilt from the stored bytes with the model's processor, are
+    # the processor's output on the images the client sent, and make vLLM's token counts.
+    vision = VisionProcessor(vl_model)
+    rebuilt = vision.sample_inputs(reader, _sample_arrays(reader, last["sample_index"]))
+    originals = [_pil(i) for i in (SCREENSHOT, WINDOW, SCREENSHOT)]
+    expected = vision.processor(images=originals, return_tensors="np")
+    assert np.array_equal(rebuilt["pixel_values"], expected["pixel_values"])
+    assert np.array_equal(rebuilt["image_grid_thw"], expected["image_grid_thw"])
+    assert vision.tokens_per_image(rebuilt) == [s["length"] for s in last["image_spans"]]
+    _log(
+        f"rebuilt: pixel_values {rebuilt['pixel_values'].shape} "
+        f"{rebuilt['pixel_values'].dtype}, image_grid_thw {rebuilt['image_grid_thw'].tolist()}"
+    )
     shard_bytes = sum(p.stat().st_size for p in (out / "media").glob("part-*.parquet"))
     raw = len(SCREENSHOT) + len(WINDOW)
     rows = sum(pq.ParquetFile(p).metadata.num_rows for p in (out / "media").glob("part-*.parquet"))

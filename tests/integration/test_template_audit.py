@@ -305,12 +305,25 @@ def test_cli_exit_codes(
     assert main(["check-template", str(qwen_dirs["qwen25"])]) == EXIT_SAFE
     assert "verdict: TITO-safe" in capsys.readouterr().out
     out_json = tmp_path / "report.json"
-    assert main(["check-template", str(qwen_dirs["qwen3"]), "--json", str(out_json)]) == (
-        EXIT_NOT_SAFE
-    )
+    # Qwen3 drops earlier <think> blocks: TITO-exact but not deployment-faithful, so TITO
+    # with tito_history: sampled (the default) takes it as it is, and tito_history: template
+    # takes it with its verified fix.
+    assert main(["check-template", str(qwen_dirs["qwen3"]), "--json", str(out_json)]) == (EXIT_SAFE)
     text = capsys.readouterr().out
     assert "verdict: NOT TITO-safe" in text and "<think>" in text
-    assert json.loads(out_json.read_text())["schema"] == JSON_SCHEMA
+    assert "tito_history: sampled accepts" in text
+    report = json.loads(out_json.read_text())
+    assert report["schema"] == JSON_SCHEMA
+    assert report["tito_exact"] and not report["deployment_faithful"]
+    qwen3_template = ["check-template", str(qwen_dirs["qwen3"]), "--tito-history", "template"]
+    assert main(qwen3_template) == EXIT_SAFE
+    # A turn that does not end in a token the model stops on: refused in both modes.
+    no_stop = tmp_path / "no-stop.jinja"
+    no_stop.write_text(CHATML.replace("'<|im_end|>\\n'", "'\\n\\n'"))
+    for history in ("sampled", "template"):
+        args = ["check-template", str(qwen_dirs["qwen3"]), "--template", str(no_stop)]
+        assert main([*args, "--tito-history", history]) == EXIT_NOT_SAFE
+        assert f"tito_history: {history} refuses" in capsys.readouterr().out
     # --template overrides the tokenizer's template.
     template = str(assets / "templates" / QWEN25_TEMPLATE)
     assert main(["check-template", str(qwen_dirs["qwen3"]), "--template", template]) == 0
@@ -337,9 +350,12 @@ def test_cli_chat_template_kwargs(
     assert fixed is not None
     patched.write_text(fixed)
     kwargs = '{"preserve_thinking": true}'
+    faithful, dropped = tmp_path / "with.json", tmp_path / "without.json"
     args = ["check-template", str(qwen_dirs["qwen3"]), "--template", str(patched)]
-    assert main([*args, "--chat-template-kwargs", kwargs]) == EXIT_SAFE
-    assert main(args) == EXIT_NOT_SAFE
+    assert main([*args, "--chat-template-kwargs", kwargs, "--json", str(faithful)]) == EXIT_SAFE
+    assert main([*args, "--json", str(dropped)]) == EXIT_SAFE  # exact: sampled takes it
+    assert json.loads(faithful.read_text())["deployment_faithful"] is True
+    assert json.loads(dropped.read_text())["deployment_faithful"] is False
     capsys.readouterr()
 
 

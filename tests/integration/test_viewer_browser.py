@@ -9,6 +9,7 @@ driven by Selenium): rollouts recorded through Turnstile from the real CPU vLLM,
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +21,8 @@ from rich.console import Console
 
 from tests.integration.test_examples import Turnstile, published_rollouts
 from tests.live import LiveServer
+from tests.unit.test_view import record_images
+from turnstile.backends.fake import FAKE_IMAGE_TOKEN_ID
 from turnstile.cli.inspection import show_rollout, summary
 from turnstile.view.data import OutputData, TokenText
 from turnstile.view.server import build_app
@@ -261,3 +264,37 @@ def test_inspect_output_for_the_docs(
     if docs:
         Path(docs).mkdir(parents=True, exist_ok=True)
         shutil.copy(tmp_path / "inspect.svg", Path(docs) / "inspect.svg")
+
+
+def test_viewer_shows_image_thumbnails_at_their_spans(
+    browser: Any, tmp_path: Path, qwen3_tokenizer_dir: Path
+) -> None:
+    """An image rollout (recorded through the app on the fake backend): each image is a
+    decoded thumbnail at its span, in place of its placeholder tokens."""
+    out = tmp_path / "out"
+    rid = record_images(out)
+    viewer = Viewer(out, qwen3_tokenizer_dir)
+    try:
+        browser.get(f"{viewer.url}/#/rollout/{rid}")
+        _wait_ready(browser, f"#/rollout/{rid}")
+        thumbs = browser.find_elements("css selector", ".image-span img.thumb")
+        assert len(thumbs) == 3  # the screen, the icon, the screen again
+        from selenium.webdriver.support.ui import WebDriverWait
+
+        WebDriverWait(browser, PAGE_TIMEOUT_S).until(
+            lambda d: all(d.execute_script("return arguments[0].complete", t) for t in thumbs)
+        )
+        widths = [browser.execute_script("return arguments[0].naturalWidth", t) for t in thumbs]
+        assert widths == [112, 56, 112]  # decoded from /media/{sha256}
+        labels = [e.text for e in browser.find_elements("css selector", ".image-label")]
+        assert labels[0].startswith("12 image tokens at ")
+        # The placeholder tokens are folded under the thumbnails, not drawn one by one.
+        titles = browser.execute_script(
+            "return [...document.querySelectorAll('#samples .t')].map((e) => e.title)"
+        )
+        drawn = [int(m.group(1)) for t in titles if (m := re.search(r" id (\d+) ", t))]
+        assert len(drawn) == len(titles) > 0
+        assert FAKE_IMAGE_TOKEN_ID not in drawn
+        _screenshot(browser, tmp_path / "images.png")
+    finally:
+        viewer.stop()

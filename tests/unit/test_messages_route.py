@@ -198,7 +198,7 @@ def test_count_tokens_asks_the_backend_and_records_nothing(make_app: MakeApp) ->
 @pytest.mark.parametrize(
     ("content", "status", "needle"),
     [
-        ([{"type": "image", "source": {"type": "url", "url": "http://x/y.png"}}], 422, "image"),
+        ([{"type": "image", "source": {"type": "file", "file_id": "file_1"}}], 422, "image"),
         ([{"type": "tool_use", "id": "t", "name": "n", "input": {}}], 422, "tool_use"),
         (7, 400, "messages[0].content"),
     ],

@@ -212,7 +212,7 @@ def test_an_unknown_previous_response_is_400_and_not_recorded(make_app: MakeApp)
 @pytest.mark.parametrize(
     ("item", "status"),
     [
-        ({"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}, 422),
+        ({"role": "user", "content": [{"type": "input_image", "file_id": "file_1"}]}, 422),
         ({"type": "item_reference", "id": "msg_1"}, 422),
         ({"type": "function_call", "call_id": 3, "name": "f", "arguments": "{}"}, 400),
         ({"role": "wizard", "content": "x"}, 400),

@@ -1,8 +1,11 @@
 """``turnstile check-template``: audit a chat template (or the vendored corpus) for TITO.
 
-Exit status: 0 when the template is TITO-safe (and for a corpus run), 1 when it is not,
-2 for bad input (no tokenizer, no template, unreadable files, a template that renders
-nothing).
+Exit status: 0 when TITO mode would accept the template under `--tito-history` (and for a
+corpus run), 1 when it would refuse it, 2 for bad input (no tokenizer, no template,
+unreadable files, a template that renders nothing). With `sampled` (the proxy's default)
+the gate is TITO-exactness: every delta can be found, so every sample equals the token
+stream. With `template` the context must also be what the template renders
+(deployment-faithful), as it is or with a verified fix, which the proxy then applies.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ __all__ = [
     "EXIT_SAFE",
     "HELP",
     "NAME",
+    "accepted_by_tito",
     "add_arguments",
     "run",
 ]
@@ -30,8 +34,9 @@ DESCRIPTION = (
     "Render a battery of conversations with a tokenizer's chat template (or "
     "--template) and check, per message kind, that each rendering extends the previous "
     "one in text and tokens where TITO joins prompt, completion and new messages, and "
-    "that assistant turns end with a stop token. Exits 0 if TITO-safe, 1 if not, 2 for "
-    "bad input."
+    "that assistant turns end with a stop token. Exits 0 if TITO mode accepts it under "
+    "--tito-history (sampled: TITO-exact; template: also deployment-faithful, or made so by "
+    "a verified fix), 1 if not, 2 for bad input."
 )
 
 EXIT_SAFE = 0
@@ -78,6 +83,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="render messages exactly as given, not as vLLM hands them to the "
         "template (JSON-string tool arguments parsed into dicts)",
+    )
+    p.add_argument(
+        "--tito-history",
+        choices=("sampled", "template"),
+        default="sampled",
+        help="the proxy's tito_history the exit status answers for (default: sampled)",
     )
     p.add_argument(
         "--corpus",
@@ -190,4 +201,20 @@ def run(args: argparse.Namespace) -> int:
         print(_kinds_markdown(report), end="")
     else:
         print(format_report(report, label), end="")
-    return EXIT_SAFE if report.tito_safe else EXIT_NOT_SAFE
+    accepted = accepted_by_tito(report, args.tito_history)
+    verdict = "accepts" if accepted else "refuses"
+    print(f"TITO mode with tito_history: {args.tito_history} {verdict} this template")
+    return EXIT_SAFE if accepted else EXIT_NOT_SAFE
+
+
+def accepted_by_tito(report: Any, history: str) -> bool:
+    """Whether TITO mode's gate (`turnstile.tito.gate.choose_template`) takes a template
+    with this audit report under `history`."""
+    if history == "sampled":
+        return bool(report.tito_exact)
+    if report.tito_safe:
+        return True
+    verified = [
+        f for f in report.fixes if f.verified and (f.chat_template_kwargs or f.template is not None)
+    ]
+    return bool(report.tito_exact and verified)

@@ -55,6 +55,16 @@ def _fmt(value: float | None, digits: int = 3) -> str:
     return f"{value:.{digits}f}"
 
 
+def _bytes(n: int) -> str:
+    """A byte count as people read it (exact below 1 KiB)."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{n} B" if unit == "B" else f"{value:.1f} {unit} ({n} B)"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
 def _table(title: str, *columns: str) -> Table:
     table = Table(title=title, title_justify="left", title_style="bold")
     for i, column in enumerate(columns):
@@ -65,7 +75,8 @@ def _table(title: str, *columns: str) -> Table:
 def summary(data: OutputData, console: Console, top: int = DEFAULT_TOP) -> None:
     """The whole directory at a glance."""
     rollouts, samples, turns = data.rollouts(), data.samples(), data.turns()
-    shards = {t: len(data.reader.files(t)) for t in ("turns", "samples", "rollouts")}
+    shards = {t: len(data.reader.files(t)) for t in ("turns", "samples", "rollouts", "media")}
+    media = data.media_summary()
     console.print(
         Panel.fit(
             f"[bold]{data.directory}[/]\n"
@@ -86,6 +97,8 @@ def summary(data: OutputData, console: Console, top: int = DEFAULT_TOP) -> None:
     overview.add_row("completion tokens", str(sum(t["num_completion_tokens"] for t in turns)))
     overview.add_row("sample tokens", str(sum(s["num_tokens"] for s in samples)))
     overview.add_row("  with loss", str(sum(s["num_loss_tokens"] for s in samples)))
+    overview.add_row("images stored (media)", str(media["images"]))
+    overview.add_row("  bytes", _bytes(media["bytes"]))
     console.print(overview)
 
     rewards = _table("Rewards", "name", "n", "mean", "std", "min", "max")

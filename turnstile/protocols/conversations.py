@@ -6,7 +6,8 @@ new input and its own output), so a chain is rebuilt by walking back the links a
 conversation is stored once, not once per turn. Entries are appended as JSON lines to
 `conversations.jsonl` (under the output directory's `responses/`) before the answer
 is sent, flushed (and fsynced with `fsync: always`), and read back at start-up: a restart
-does not break a chain. The newest `MAX_STORED_RESPONSES` entries are kept; the file is
+does not break a chain. The newest entries are kept, at most `MAX_STORED_RESPONSES` of them
+and `MAX_STORED_RESPONSE_BYTES` of JSON (inline images make an entry large); the file is
 rewritten from them once it passes `COMPACT_BYTES`. A line torn by a crash is skipped.
 """
 
@@ -30,6 +31,10 @@ FILE_NAME: Final[str] = "conversations.jsonl"
 # Answers whose conversations are kept: an agent fleet's live chains (a few hundred
 # rollouts of a hundred calls) fit many times over; an older link ends its chain (400).
 MAX_STORED_RESPONSES: Final[int] = 200_000
+# The kept entries' JSON, in all: a Responses input with an inline screenshot is about a
+# megabyte of base64, so the entry count alone does not bound memory. Half of
+# COMPACT_BYTES, so that a compacted file is at most half full and compactions stay rare.
+MAX_STORED_RESPONSE_BYTES: Final[int] = 256 * 1024 * 1024
 # A chain longer than this is refused rather than walked (a cycle cannot be written, but
 # a file edited by hand could hold one).
 MAX_CHAIN_LENGTH: Final[int] = 100_000
@@ -41,6 +46,7 @@ COMPACT_BYTES: Final[int] = 512 * 1024 * 1024
 class _Entry:
     previous: str | None
     added: list[dict[str, Any]]
+    size: int  # bytes of its JSON line
 
 
 class ConversationStore:
@@ -52,11 +58,14 @@ class ConversationStore:
         *,
         fsync: bool = False,
         max_entries: int = MAX_STORED_RESPONSES,
+        max_bytes: int = MAX_STORED_RESPONSE_BYTES,
     ) -> None:
         self.path = None if directory is None else directory / FILE_NAME
         self.fsync = fsync
         self.max_entries = max_entries
+        self.max_bytes = max_bytes
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self._bytes = 0
         self._file: IO[bytes] | None = None
 
     def open(self) -> None:
@@ -84,13 +93,20 @@ class ConversationStore:
         except (orjson.JSONDecodeError, KeyError, TypeError):
             return  # a torn last line
         if isinstance(rid, str) and isinstance(added, list):
-            self._keep(rid, _Entry(previous if isinstance(previous, str) else None, added))
+            previous = previous if isinstance(previous, str) else None
+            self._keep(rid, _Entry(previous, added, len(line)))
 
     def _keep(self, response_id: str, entry: _Entry) -> None:
+        replaced = self._entries.pop(response_id, None)
+        if replaced is not None:
+            self._bytes -= replaced.size
         self._entries[response_id] = entry
-        self._entries.move_to_end(response_id)
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+        self._bytes += entry.size
+        while len(self._entries) > 1 and (
+            len(self._entries) > self.max_entries or self._bytes > self.max_bytes
+        ):
+            _, dropped = self._entries.popitem(last=False)
+            self._bytes -= dropped.size
 
     def conversation(self, response_id: str) -> list[dict[str, Any]]:
         """The chat messages of the conversation up to and including `response_id`'s
@@ -112,9 +128,9 @@ class ConversationStore:
 
     def store(self, response_id: str, previous: str | None, added: list[dict[str, Any]]) -> None:
         """Remember an answer's conversation step, on disk before this returns."""
-        entry = _Entry(previous, added)
+        line = orjson.dumps({"id": response_id, "previous": previous, "added": added})
+        entry = _Entry(previous, added, len(line) + 1)
         if self._file is not None:
-            line = orjson.dumps({"id": response_id, "previous": previous, "added": added})
             try:
                 self._file.write(line + b"\n")
                 self._file.flush()

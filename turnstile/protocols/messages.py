@@ -6,11 +6,17 @@ the system blocks become one leading system message (Claude Code's per-request
 its hash would change every prompt), text blocks become content, `thinking` becomes the
 assistant message's `reasoning`, `redacted_thinking` (opaque) is dropped, `tool_use`
 becomes `tool_calls` and each `tool_result` a `tool` message. The mapping follows vLLM
-0.32's `/v1/messages` so a prompt renders as it would there. Images and documents are
-refused with 422 until the multimodal work lands; an assistant message last asks the
-backend to continue it (Anthropic's prefill). Several text blocks of one message are
-joined with newlines, as vLLM joins text parts before a chat template renders them (and
-as TITO's own rendering needs: templates take string content).
+0.32's `/v1/messages` so a prompt renders as it would there. An assistant message last
+asks the backend to continue it (Anthropic's prefill). Several text blocks of one message
+are joined with newlines, as vLLM joins text parts before a chat template renders them
+(and as TITO's own rendering needs: templates take string content).
+
+Images: an `image` block in a user message or in a `tool_result`'s content becomes a chat
+`image_url` part (a `base64` source as a `data:<media_type>;base64,<data>` URL, a `url`
+source as its URL), and that message's content is then a list of `text` and `image_url`
+parts in the order given, as vLLM takes them for user and tool messages (and as
+`turnstile.proxy.media` records them). A `file` source is refused with 422 (Turnstile has
+no Files API), and so are images in assistant or system messages and `document` blocks.
 
 `from_chat` turns the chat answer into a Messages answer (`thinking`, `text` and
 `tool_use` blocks, `stop_reason` as vLLM maps it), and `error_body` writes any error in
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any, Final
@@ -28,6 +35,7 @@ from typing import Any, Final
 import orjson
 
 from turnstile.errors import BadRequest, TurnstileError, Unprocessable
+from turnstile.images import IMAGE_MIME_TYPES
 from turnstile.protocols import checks
 from turnstile.protocols.common import first_choice, reasoning_of, text_or_none, usage_counts
 
@@ -52,6 +60,8 @@ _ERROR_TYPES: Final[dict[int, str]] = {
     529: "overloaded_error",
 }
 _TOOL_CHOICES: Final[dict[str, str]] = {"auto": "auto", "any": "required", "none": "none"}
+# An image block's base64 data (standard alphabet, padded or not).
+_BASE64: Final[re.Pattern[str]] = re.compile(r"[A-Za-z0-9+/]+={0,2}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +139,7 @@ def _add_message(message: dict[str, Any], i: int, out: list[dict[str, Any]]) -> 
         if role != "system" or content:
             out.append({"role": role, "content": content})
         return
-    texts: list[str] = []
+    parts: list[dict[str, Any]] = []  # text and image_url parts, in order
     reasoning: list[str] = []
     calls: list[dict[str, Any]] = []
     for j, block in enumerate(checks.array(content, f"{where}.content")):
@@ -139,9 +149,16 @@ def _add_message(message: dict[str, Any], i: int, out: list[dict[str, Any]]) -> 
         if kind == "text":
             text = checks.text(block.get("text"), f"{at}.text")
             if text and not (role == "system" and text.startswith(BILLING_HEADER)):
-                texts.append(text)
-        elif kind in ("image", "document"):
-            raise Unprocessable(f"{at}: {kind} blocks are not supported yet", param="messages")
+                parts.append({"type": "text", "text": text})
+        elif kind == "image" and role == "user":
+            parts.append(_image_part(block, at))
+        elif kind == "image":
+            raise Unprocessable(
+                f"{at}: image blocks are supported in user messages and tool results only",
+                param="messages",
+            )
+        elif kind == "document":
+            raise Unprocessable(f"{at}: document blocks are not supported yet", param="messages")
         elif kind == "thinking" and role == "assistant":
             reasoning.append(checks.text(block.get("thinking"), f"{at}.thinking"))
         elif kind == "redacted_thinking" and role == "assistant":
@@ -153,14 +170,58 @@ def _add_message(message: dict[str, Any], i: int, out: list[dict[str, Any]]) -> 
         else:
             raise Unprocessable(f"{at}: a {kind!r:.40} block in a {role} message is not supported")
     chat: dict[str, Any] = {"role": role}
-    if texts:
-        chat["content"] = "\n".join(texts)  # as vLLM joins text parts for a template
+    if parts:
+        chat["content"] = _chat_content(parts)
     if reasoning:
         chat["reasoning"] = "".join(reasoning)
     if calls:
         chat["tool_calls"] = calls
-    if role == "assistant" or texts:
+    if role == "assistant" or parts:
         out.append(chat)
+
+
+def _chat_content(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    """Text parts joined with newlines, as vLLM joins them for a template; with an image
+    among them, the parts themselves."""
+    if any(p["type"] == "image_url" for p in parts):
+        return parts
+    return "\n".join(p["text"] for p in parts)
+
+
+def _image_part(block: dict[str, Any], at: str) -> dict[str, Any]:
+    """An `image` block as a chat `image_url` part."""
+    source = checks.obj(block.get("source"), f"{at}.source")
+    kind = source.get("type")
+    if kind == "base64":
+        media_type = source.get("media_type")
+        if not isinstance(media_type, str) or media_type not in IMAGE_MIME_TYPES:
+            raise BadRequest(
+                f"{at}.source.media_type must be one of {', '.join(sorted(IMAGE_MIME_TYPES))}",
+                param=f"{at}.source.media_type",
+            )
+        data = source.get("data")
+        if not isinstance(data, str) or not _BASE64.fullmatch(data):
+            raise BadRequest(
+                f"{at}.source.data must be the image's bytes as a non-empty base64 string",
+                param=f"{at}.source.data",
+            )
+        return {"type": "image_url", "image_url": {"url": f"data:{media_type};base64,{data}"}}
+    if kind == "url":
+        url = source.get("url")
+        scheme, colon, _ = url.partition(":") if isinstance(url, str) else ("", "", "")
+        if not colon or scheme.lower() not in ("http", "https"):
+            raise BadRequest(f"{at}.source.url must be an http(s) URL", param=f"{at}.source.url")
+        return {"type": "image_url", "image_url": {"url": url}}
+    if kind == "file":
+        raise Unprocessable(
+            f"{at}.source: images by file id are not supported (Turnstile has no Files API); "
+            "send the image inline (a base64 source) or by URL (a url source)",
+            param=f"{at}.source",
+        )
+    raise BadRequest(
+        f"{at}.source.type {kind!r:.40} is not known (base64, url or file)",
+        param=f"{at}.source.type",
+    )
 
 
 def _tool_call(block: dict[str, Any], at: str) -> dict[str, Any]:
@@ -176,22 +237,27 @@ def _tool_call(block: dict[str, Any], at: str) -> dict[str, Any]:
 
 
 def _tool_message(block: dict[str, Any], at: str) -> dict[str, Any]:
+    """A `tool_result` as a tool message: its text as one string, or with images, a list
+    of `text` and `image_url` parts in order."""
     call_id = checks.text(block.get("tool_use_id"), f"{at}.tool_use_id")
     content = block.get("content", "")
     if isinstance(content, str):
-        text = content
-    else:
-        texts = []
-        for k, part in enumerate(checks.array(content, f"{at}.content")):
-            part = checks.obj(part, f"{at}.content[{k}]")
-            if part.get("type") != "text":
-                raise Unprocessable(
-                    f"{at}.content[{k}]: only text is supported in a tool_result",
-                    param="messages",
-                )
-            texts.append(checks.text(part.get("text"), f"{at}.content[{k}].text"))
-        text = "\n".join(texts)
-    return {"role": "tool", "tool_call_id": call_id, "content": text}
+        return {"role": "tool", "tool_call_id": call_id, "content": content}
+    parts: list[dict[str, Any]] = []
+    for k, part in enumerate(checks.array(content, f"{at}.content")):
+        where = f"{at}.content[{k}]"
+        part = checks.obj(part, where)
+        kind = part.get("type")
+        if kind == "text":
+            parts.append({"type": "text", "text": checks.text(part.get("text"), f"{where}.text")})
+        elif kind == "image":
+            parts.append(_image_part(part, where))
+        else:
+            raise Unprocessable(
+                f"{where}: only text and images are supported in a tool_result",
+                param="messages",
+            )
+    return {"role": "tool", "tool_call_id": call_id, "content": _chat_content(parts)}
 
 
 def _add_tools(body: dict[str, Any], chat: dict[str, Any]) -> None:

@@ -9,8 +9,15 @@ as an assistant message's `reasoning`, `function_call` items as its `tool_calls`
 merges them. Function tools become chat tools, and a namespace tool's functions too,
 named `namespace__name` as vLLM flattens them (Codex's sub-agent tools); hosted tools (web
 search, file search, ...) are left out, as vLLM leaves them out for a chat model, and so
-are custom (free-form) tools for now. Images, files and audio are refused with 422 until
-the multimodal work lands.
+are custom (free-form) tools for now.
+
+Images: an `input_image` part (a data URL or an http(s) URL in `image_url`, with its
+`detail` kept where given) in a user, system or developer message, or in a
+`function_call_output`'s output list, becomes a chat `image_url` part; such a message's
+content is then a list of `text` and `image_url` parts in the order given (which the chat
+template and `turnstile.proxy.media` rely on), while text-only content stays one string,
+as before. An image by `file_id` is refused (422: Turnstile has no Files API), and so are
+images in assistant messages, `input_file` and audio parts.
 
 `from_chat` and `response_object` write the answer: a `reasoning` item, a `message` item
 with its `output_text`, and one `function_call` item per tool call (with its `namespace`
@@ -37,6 +44,8 @@ _SAMPLING: Final[dict[str, str]] = {"temperature": "temperature", "top_p": "top_
 # Between a namespace tool's name and its function's name in the flattened chat tool name.
 NAMESPACE_SEPARATOR: Final[str] = "__"
 _TEXT_PARTS: Final[frozenset[str]] = frozenset({"input_text", "output_text", "text", "refusal"})
+_IMAGE_DETAILS: Final[frozenset[str]] = frozenset({"auto", "low", "high", "original"})
+_IMAGE_SCHEMES: Final[frozenset[str]] = frozenset({"data", "http", "https"})
 _ROLES: Final[dict[str, str]] = {
     "user": "user",
     "assistant": "assistant",
@@ -159,7 +168,8 @@ def _add_item(item: dict[str, Any], at: str, out: list[dict[str, Any]]) -> None:
         role = item.get("role")
         if role not in _ROLES:
             raise BadRequest(f"{at}.role {role!r:.40} is not known", param="input")
-        content = _content(item.get("content"), f"{at}.content")
+        images = role != "assistant"  # a chat template lays images out in prompt turns only
+        content = _content(item.get("content"), f"{at}.content", images=images)
         last = _open_assistant(out)
         if role == "assistant" and last is not None and last.get("content") is None:
             last["content"] = content  # after its reasoning item
@@ -182,10 +192,9 @@ def _add_item(item: dict[str, Any], at: str, out: list[dict[str, Any]]) -> None:
         else:
             last.setdefault("tool_calls", []).append(call)
     elif kind == "function_call_output":
-        output = item.get("output")
-        text = output if isinstance(output, str) else _content(output, f"{at}.output")
+        output = _content(item.get("output"), f"{at}.output", images=True)
         call_id = checks.text(item.get("call_id"), f"{at}.call_id")
-        out.append({"role": "tool", "tool_call_id": call_id, "content": text})
+        out.append({"role": "tool", "tool_call_id": call_id, "content": output})
     elif kind == "reasoning":
         reasoning = _reasoning_text(item, at)
         if reasoning is not None:
@@ -196,22 +205,68 @@ def _add_item(item: dict[str, Any], at: str, out: list[dict[str, Any]]) -> None:
         )
 
 
-def _content(value: Any, at: str) -> str:
-    """Message content as one string: text parts joined with newlines, as vLLM joins them
-    before a chat template renders them (and as TITO's own rendering needs)."""
+def _content(value: Any, at: str, *, images: bool) -> str | list[dict[str, Any]]:
+    """Message content for chat: text parts joined into one string with newlines, as vLLM
+    joins them before a chat template renders them (and as TITO's own rendering needs);
+    with an image among them (where `images` allows them), a list of `text` and
+    `image_url` parts in their order instead."""
     if isinstance(value, str):
         return value
-    texts: list[str] = []
+    parts: list[dict[str, Any]] = []
+    with_image = False
     for j, part in enumerate(checks.array(value, at)):
-        part = checks.obj(part, f"{at}[{j}]")
+        where = f"{at}[{j}]"
+        part = checks.obj(part, where)
         kind = part.get("type")
-        if kind not in _TEXT_PARTS:
+        if kind == "input_image" and images:
+            parts.append(_image_part(part, where))
+            with_image = True
+        elif kind in _TEXT_PARTS:
+            field_name = "refusal" if kind == "refusal" else "text"
+            text = checks.text(part.get(field_name), f"{where}.{field_name}")
+            parts.append({"type": "text", "text": text})
+        elif kind == "input_image":
             raise Unprocessable(
-                f"{at}[{j}]: {kind!r:.40} content is not supported yet", param="input"
+                f"{where}: images are supported in user, system and developer messages and "
+                "function call outputs only",
+                param="input",
             )
-        field_name = "refusal" if kind == "refusal" else "text"
-        texts.append(checks.text(part.get(field_name), f"{at}[{j}].{field_name}"))
-    return "\n".join(texts)
+        else:
+            raise Unprocessable(f"{where}: {kind!r:.40} content is not supported", param="input")
+    if with_image:
+        return parts
+    return "\n".join(p["text"] for p in parts)
+
+
+def _image_part(part: dict[str, Any], at: str) -> dict[str, Any]:
+    """An `input_image` part as a chat `image_url` part (`detail` kept where given)."""
+    url = part.get("image_url")
+    if url is None and part.get("file_id") is not None:
+        raise Unprocessable(
+            f"{at}.file_id: images by file id are not supported (Turnstile has no Files "
+            "API); send the image inline as a data URL or by http(s) URL in image_url",
+            param=f"{at}.file_id",
+        )
+    if not isinstance(url, str) or not url:
+        raise BadRequest(
+            f"{at}.image_url must be a non-empty string (a data URL or an http(s) URL)",
+            param=f"{at}.image_url",
+        )
+    scheme, colon, _ = url.partition(":")
+    if not colon or scheme.lower() not in _IMAGE_SCHEMES:
+        raise BadRequest(
+            f"{at}.image_url must be a data URL or an http(s) URL", param=f"{at}.image_url"
+        )
+    image_url: dict[str, Any] = {"url": url}
+    detail = part.get("detail")
+    if detail is not None:
+        if not isinstance(detail, str) or detail not in _IMAGE_DETAILS:
+            raise BadRequest(
+                f"{at}.detail must be one of {', '.join(sorted(_IMAGE_DETAILS))}",
+                param=f"{at}.detail",
+            )
+        image_url["detail"] = detail
+    return {"type": "image_url", "image_url": image_url}
 
 
 def _reasoning_text(item: dict[str, Any], at: str) -> str | None:

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from turnstile.backends.control import EngineControl
 from turnstile.backends.protocol import ROLLOUT_AFFINITY, Backend, BackendResponse, read_error
 from turnstile.errors import (
     BackendError,
@@ -59,7 +60,6 @@ from turnstile.proxy.capture import (
 )
 from turnstile.proxy.capture import validate_request as validate
 from turnstile.proxy.fencing import (
-    BACKEND_PAUSE_MODES,
     FENCE_DRAIN_TIMEOUT_S,
     FENCE_RETRY_AFTER_S,
     Fence,
@@ -203,14 +203,15 @@ class Proxy:
         max_rollout_bytes: int = MAX_ROLLOUT_BYTES,
         max_open_rollout_bytes: int = MAX_OPEN_ROLLOUT_BYTES,
         admission: Admission | None = None,
-        backend_pause: bool = False,
+        engine: EngineControl | None = None,
         stream_whole_calls: bool = False,
         media: MediaPolicy | None = None,
     ) -> None:
         self.backend = backend
         self.media = media or MediaPolicy()
         self.fence = Fence()
-        self._backend_pause = backend_pause  # drive the backend's /pause and /resume
+        # The backend engines' own pause and resume (`backend_pause`), around a fence.
+        self._engine = engine
         # Whole calls go upstream as streams (`turnstile.proxy.assemble`): a policy switch
         # then falls between two of their tokens.
         self._stream_whole_calls = stream_whole_calls
@@ -356,8 +357,8 @@ class Proxy:
         # `abort` stops the backend's generation at once (the calls were cut above);
         # `pause` lets Turnstile's own calls finish first, then pauses the engine for the
         # push, so that no call of ours can be left waiting inside a paused engine.
-        if self._backend_pause and mode == "abort":
-            await self._drive_backend(f"/pause?mode={BACKEND_PAUSE_MODES[mode]}")
+        if self._engine is not None and mode == "abort":
+            await self._engine.pause(mode)
         try:
             await asyncio.wait_for(self.idle.wait(), FENCE_DRAIN_TIMEOUT_S)
         except TimeoutError:
@@ -367,8 +368,8 @@ class Proxy:
                 "POST /admin/resume",
                 retry_after_s=FENCE_RETRY_AFTER_S,
             ) from None
-        if self._backend_pause and mode != "abort":
-            await self._drive_backend(f"/pause?mode={BACKEND_PAUSE_MODES[mode]}")
+        if self._engine is not None and mode != "abort":
+            await self._engine.pause(mode)
         log.info("paused for a weight update (%s): %d in flight, %d cut", mode, in_flight, cut)
         return {
             "paused": True,
@@ -384,21 +385,11 @@ class Proxy:
             self.fence.open()  # raises Conflict: nothing to resume
         if version is not None:
             await self.set_policy_version(version)
-        if self._backend_pause:
-            await self._drive_backend("/resume")
+        if self._engine is not None:
+            await self._engine.resume()
         held = self.fence.open()
         log.info("resumed at policy version %d after %.2f s", self.policy_version, held)
         return {"policy_version": self.policy_version, "paused_s": held}
-
-    async def _drive_backend(self, path: str) -> None:
-        """POST `path` to the backend (its own pause/resume); a failure is a 502."""
-        resp = await self.backend.request("POST", path, b"", {})
-        try:
-            if resp.status >= 400:
-                raise await read_error(resp)
-            await resp.read()
-        finally:
-            resp.close()
 
     def retention_floor(self) -> int:
         """The oldest journal frame still needed: by an open rollout, by work the writer

@@ -20,9 +20,10 @@ requests on its own; a trainer that pushes the weights itself uses the around-th
 form (`/admin/pause`, push, `/admin/resume`), the only one where no token is sampled by
 weights other than its recorded version.
 
-With `backend_pause` set, the proxy also drives vLLM's own `/pause?mode=wait|abort` and
-`/resume` (served by vLLM with `VLLM_SERVER_DEV_MODE=1`), so the engine itself stops
-between the fence and the resume.
+With `backend_pause` set, the proxy also drives the engines' own pause and resume
+(`turnstile.backends.control`: vLLM's `/pause` and `/resume`, SGLang's
+`/pause_generation` and `/continue_generation`, every replica of a pool), so the engines
+themselves stop between the fence and the resume.
 """
 
 from __future__ import annotations
@@ -45,8 +46,6 @@ FENCE_WAIT_TIMEOUT_S: Final[float] = 600.0
 FENCE_DRAIN_TIMEOUT_S: Final[float] = 300.0
 # A cut or refused call is retried after this long: the push is then usually done.
 FENCE_RETRY_AFTER_S: Final[int] = 5
-# vLLM's own pause modes for ours.
-BACKEND_PAUSE_MODES: Final[dict[str, str]] = {"pause": "wait", "abort": "abort"}
 
 
 class Fence:

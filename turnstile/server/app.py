@@ -25,6 +25,7 @@ from fastapi import FastAPI
 
 from turnstile import __version__
 from turnstile.backends.aiohttp_client import redact_url
+from turnstile.backends.control import engine_control
 from turnstile.backends.factory import build_backend
 from turnstile.backends.pool import BackendPool
 from turnstile.backends.protocol import Backend, Timeouts
@@ -196,6 +197,9 @@ def create_app(
     conversations = ConversationStore(conversations_dir, fsync=settings.fsync == "always")
     if backend is None:  # one vLLM client, or the SGLang adapter, or a pool of them
         backend = build_backend(settings, timeouts, tokenizer)
+    # The engines' own pause and resume, in each backend's dialect (not through wrappers
+    # that only rewrite calls).
+    engine = engine_control(backend) if settings.backend_pause else None
     if settings.preserve_tool_arguments and tokenizer is not None:  # settings require one
         from turnstile.proxy.tool_arguments import PreserveToolArguments
 
@@ -246,7 +250,7 @@ def create_app(
             settings.policy_version,
             settings.admission,
         ),
-        backend_pause=settings.backend_pause,
+        engine=engine,
         stream_whole_calls=settings.stream_whole_calls,
         media=media_policy(settings),
     )

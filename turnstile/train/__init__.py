@@ -9,8 +9,10 @@ Seq-RS, verl's rejection options, veto, KL estimators; also on torch tensors),
 through a vLLM backend's prompt_logprobs). With the ``train`` extra (PyTorch): ``losses``
 (verl's policy loss and its variants, Proximal KL), ``policy`` (token log-probabilities of
 a causal LM), ``torchdata`` (``ShardIterableDataset``) and ``rescore_torch`` (exact
-re-scoring from full logits). ``integrations.trl`` (with the ``trl`` extra) lets TRL's
-``GRPOTrainer`` train from recorded samples and pushes its weights to vLLM, fenced.
+re-scoring from full logits); ``vision`` (with Pillow) rebuilds a vision-language
+sample's ``pixel_values`` from its stored images with the model's own processor.
+``integrations.trl`` (with the ``trl`` extra) lets TRL's ``GRPOTrainer`` train from
+recorded samples and pushes its weights to vLLM, fenced.
 
 MRTPO and Proximal KL are implemented from the reading of their published abstracts given
 in Turnstile's method notes; their modules say so.

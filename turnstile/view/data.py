@@ -2,9 +2,10 @@
 
 `OutputData` wraps a `ShardReader` over an output directory (possibly one a running
 proxy is writing: every call re-lists the published shards) and returns plain Python
-structures: summaries without token lists, and one rollout in full with its samples'
-tokens, loss masks, logprobs, turn spans and breaks. `TokenText` decodes token ids to
-text per token with a local tokenizer, or falls back to showing the ids.
+structures: summaries without token lists, one rollout in full with its samples'
+tokens, loss masks, logprobs, turn spans, image spans and breaks, and stored images.
+`TokenText` decodes token ids to text per token with a local tokenizer, or falls back to
+showing the ids.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from turnstile.output.schema import META_TOKENIZER
-from turnstile.reader import ShardReader, rewards_dict
+from turnstile.reader import ShardReader, StoredImage, rewards_dict
 
 # Distinct token ids whose per-token text is kept: a vocabulary is ~150k ids, and a
 # viewer session touches far fewer; the cap bounds memory on a long-running `view`.
@@ -188,6 +189,27 @@ class OutputData:
 
     def turns(self) -> list[dict[str, Any]]:
         return _rows(self.reader.turns(columns=list(TURN_SUMMARY_COLUMNS)))
+
+    def media_summary(self) -> dict[str, int]:
+        """The `media` table at a glance: distinct images, their bytes, and its shards."""
+        table = self.reader.dataset("media").to_table(columns=["sha256", "size"])
+        sizes: dict[str, int] = {}
+        for sha, size in zip(
+            table.column("sha256").to_pylist(), table.column("size").to_pylist(), strict=True
+        ):
+            sizes[sha] = size  # a hash stored by two writers counts once
+        return {
+            "images": len(sizes),
+            "bytes": sum(sizes.values()),
+            "shards": len(self.reader.files("media")),
+        }
+
+    def image(self, sha256: str) -> StoredImage | None:
+        """One stored image by its hash; None if no published media shard holds it."""
+        try:
+            return self.reader.images([sha256])[sha256]
+        except KeyError:
+            return None
 
     def reward_names(self) -> list[str]:
         names: set[str] = set()

@@ -7,7 +7,9 @@ no external assets) and a JSON API over the published shards of an output direct
 - `GET /api/rollouts/{id}`: one rollout with its turns and samples, each sample's tokens
   as `[id, text, loss_mask, logprob, role, special]` (role from the chat template's markers when
   a tokenizer decodes the text), and each stitching break with the parent's and the
-  sample's tokens around the first mismatch.
+  sample's tokens around the first mismatch, and each sample's `image_spans`;
+- `GET /media/{sha256}`: a stored image's bytes, which the page shows as a thumbnail at
+  its placeholder span.
 
 It binds 127.0.0.1 by default: the shards hold prompts, so exposing them is a choice.
 """
@@ -15,10 +17,12 @@ It binds 127.0.0.1 by default: the shards hold prompts, so exposing them is a ch
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
+from turnstile.images import IMAGE_MIME_TYPES
 from turnstile.view.roles import token_roles
 
 if TYPE_CHECKING:
@@ -33,6 +37,13 @@ STATIC_DIR: Final[Path] = Path(__file__).parent / "static"
 MAX_TOKENS_PER_SAMPLE: Final[int] = 60_000
 # Tokens of context on each side of a break in the side-by-side view.
 BREAK_WINDOW_TOKENS: Final[int] = 8
+_SHA256: Final = re.compile(r"[0-9a-f]{64}")
+# A stored image never changes under its hash; the sniffing guard keeps the browser to the
+# recorded image type.
+_MEDIA_HEADERS: Final[dict[str, str]] = {
+    "Cache-Control": "public, max-age=31536000, immutable",
+    "X-Content-Type-Options": "nosniff",
+}
 _STATIC_TYPES: Final[dict[str, str]] = {
     ".html": "text/html; charset=utf-8",
     ".js": "text/javascript; charset=utf-8",
@@ -168,6 +179,18 @@ def build_app(directory: Path, tokenizer: Path | None = None) -> FastAPI:
         if name not in {p.name for p in STATIC_DIR.iterdir()}:
             raise HTTPException(404, "no such asset")
         return static(name)
+
+    @app.get("/media/{sha256}", include_in_schema=False)
+    def media(sha256: str) -> Response:
+        if not _SHA256.fullmatch(sha256):
+            raise HTTPException(400, "a media path is the image's SHA-256 in 64 hex digits")
+        image = data.image(sha256)
+        if image is None:
+            raise HTTPException(404, f"no stored image {sha256}")
+        mime = (
+            image.mime_type if image.mime_type in IMAGE_MIME_TYPES else "application/octet-stream"
+        )
+        return Response(image.data, media_type=mime, headers=_MEDIA_HEADERS)
 
     @app.get("/api/overview")
     def api_overview() -> JSONResponse:

@@ -147,9 +147,20 @@ function renderTokens(sample) {
     starts.set(s.prompt_start, s);
     completions.set(s.completion_start, s);
   }
+  const images = new Map();
+  for (const im of sample.image_spans || []) {
+    if (im.start !== null && im.length) images.set(im.start, im);
+  }
   const brk = sample.break ? sample.break.position : -1;
   let role = "";
+  let skipUntil = -1;
   sample.tokens.forEach(([id, text, mask, logprob, tokRole, special], i) => {
+    if (i < skipUntil) return;
+    if (images.has(i)) {
+      box.append(renderImage(images.get(i)));
+      skipUntil = i + images.get(i).length;
+      return;
+    }
     if (starts.has(i)) {
       box.append(el("span", { class: "turn-mark", text: `turn ${starts.get(i).turn_index}` }));
     }
@@ -176,6 +187,22 @@ function renderTokens(sample) {
                          text: `… cut at ${sample.tokens.length} of ${sample.num_tokens}` }));
   }
   return box;
+}
+
+function renderImage(im) {
+  // An image at its placeholder span: the thumbnail (stored images) or the URL it was
+  // recorded by (remote images are not fetched by the viewer), and how many tokens it took.
+  const label = `${im.length} image tokens at ${im.start}`;
+  const fig = el("span", { class: "image-span", title: label });
+  if (im.sha256) {
+    const img = el("img", { class: "thumb", src: `/media/${im.sha256}`, loading: "lazy",
+                            alt: `image ${im.sha256.slice(0, 12)}` });
+    fig.append(img);
+  } else {
+    fig.append(el("span", { class: "note", text: `remote image ${im.url || ""}` }));
+  }
+  fig.append(el("span", { class: "image-label", text: label }));
+  return fig;
 }
 
 function renderBreak(b) {
