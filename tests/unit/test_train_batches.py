@@ -323,3 +323,24 @@ def test_stale_tokens_leave_the_loss_token_by_token(tmp_path: Path) -> None:
     assert a.num_loss_tokens == 0
     with pytest.raises(ValueError, match="max_staleness"):
         batches.mask_stale_tokens([a], 7, -1)
+
+
+def test_a_sample_that_straddled_an_update_splits_into_one_per_version(tmp_path: Path) -> None:
+    write_shard(tmp_path, [_two_version_record("a"), record("b", "g", [1], [9, 8], {}, 4)])
+    a, b = load(tmp_path)
+    a.advantages = np.where(a.loss_mask > 0, 0.5, 0.0)
+    old, new = batches.split_at_version_changes(a)
+    # The version-2 piece: the context up to its last token, its own tokens in the loss.
+    assert old.input_ids.tolist() == a.input_ids[:5].tolist()
+    assert old.loss_mask.tolist() == [0, 0, 1, 1, 1]
+    assert old.token_versions().tolist() == [-1, -1, 2, 2, 2]
+    np.testing.assert_array_equal(old.behavior_logprobs, a.behavior_logprobs[:5])
+    assert (old.min_policy_version, old.max_policy_version) == (2, 2)
+    # The version-5 piece: the whole context, version 2's tokens as context only.
+    assert new.input_ids.tolist() == a.input_ids.tolist()
+    assert new.loss_mask.tolist() == [0, 0, 0, 0, 0, 1, 1, 1]
+    assert new.token_versions().tolist() == [-1, -1, -1, -1, -1, 5, 5, 5]
+    assert new.advantages is not None and new.advantages.tolist() == [0, 0, 0, 0, 0] + [0.5] * 3
+    assert (new.min_policy_version, new.max_policy_version) == (5, 5)
+    assert old.num_loss_tokens + new.num_loss_tokens == a.num_loss_tokens
+    assert batches.split_at_version_changes(b) == [b]  # one version: unchanged

@@ -157,3 +157,52 @@ def test_iterable_dataset_yields_samples_groups_and_resumes(tmp_path: Path) -> N
     assert [ids(g) for g in grouped] == [["a-0", "a-1"], ["b-0", "b-1"]]
     loader = DataLoader(ShardIterableDataset(tmp_path), batch_size=None, collate_fn=lambda x: x)
     assert sorted(ids(loader)) == ["a-0", "a-1", "b-0", "b-1"]
+
+
+def test_stale_tokens_are_masked_or_samples_split_by_version(tmp_path: Path) -> None:
+    from tests.unit.test_train_batches import _two_version_record
+
+    write_shard(tmp_path, [_two_version_record("a"), record("old", "g", [1], [2], {}, version=1)])
+    # drop (the default): the oldest turn decides for the whole sample
+    dropped = ShardFollower(tmp_path, max_staleness=1, current_version=lambda: 6)
+    assert ids(dropped) == [] and dropped.stats.dropped_stale == 2
+    # mask: the fresh tokens stay in the loss; a sample with none left is dropped
+    masked = ShardFollower(tmp_path, max_staleness=1, current_version=lambda: 6, stale="mask")
+    (a,) = list(masked)
+    assert a.loss_mask.tolist() == [0, 0, 0, 0, 0, 1, 1, 1]
+    assert (masked.stats.masked_stale_tokens, masked.stats.dropped_stale) == (4, 1)
+    # split: one sample per version, then the staleness rule applies to each piece
+    split = ShardFollower(tmp_path, split_versions=True)
+    assert [(s.rollout_id, s.min_policy_version) for s in split] == [
+        ("a", 2),
+        ("a", 5),
+        ("old", 1),
+    ]
+    assert split.stats.split_samples == 1
+    fresh = ShardFollower(tmp_path, split_versions=True, max_staleness=1, current_version=lambda: 6)
+    assert [(s.rollout_id, s.min_policy_version) for s in fresh] == [("a", 5)]
+    with pytest.raises(ValueError, match="stale"):
+        ShardFollower(tmp_path, stale="keep")  # type: ignore[arg-type]
+
+
+def test_a_resume_between_the_pieces_of_a_split_sample_repeats_and_skips_nothing(
+    tmp_path: Path,
+) -> None:
+    from tests.unit.test_train_batches import _two_version_record
+
+    write_shard(tmp_path, [_two_version_record("a"), _two_version_record("b")], writer="w1")
+    write_shard(tmp_path, group_records("c", [(1, 0)]), writer="w2")
+    everything = [
+        (s.rollout_id, s.min_policy_version) for s in ShardFollower(tmp_path, split_versions=True)
+    ]
+    assert everything == [("a", 2), ("a", 5), ("b", 2), ("b", 5), ("c-0", 0)]
+    for cut in range(len(everything) + 1):
+        follower = ShardFollower(tmp_path, split_versions=True)
+        it = iter(follower)
+        first = [(s.rollout_id, s.min_policy_version) for s in (next(it) for _ in range(cut))]
+        saved = json.loads(json.dumps(follower.position.to_dict()))
+        rest = [
+            (s.rollout_id, s.min_policy_version)
+            for s in ShardFollower(tmp_path, split_versions=True, position=saved)
+        ]
+        assert first + rest == everything, cut

@@ -7,9 +7,10 @@ as ``(B, L)`` arrays with an attention mask; ``pack_batch`` concatenates them in
 with restarting ``position_ids`` and ``cu_seqlens`` (the layout of varlen attention
 kernels). Each sampled token carries the policy version that sampled it
 (``behavior_versions``, from the samples' ``policy_version_spans``); ``mask_stale_tokens``
-takes tokens more than N versions old out of the loss. Per-token advantages (from
-``turnstile.train.advantages``) travel along, aligned with ``loss_mask``. Numpy and
-pyarrow only; ``to_torch`` converts lazily.
+takes tokens more than N versions old out of the loss, and ``split_at_version_changes``
+makes one sample per behaviour version of a sample that straddled a weight update.
+Per-token advantages (from ``turnstile.train.advantages``) travel along, aligned with
+``loss_mask``. Numpy and pyarrow only; ``to_torch`` converts lazily.
 """
 
 from __future__ import annotations
@@ -118,6 +119,51 @@ def mask_stale_tokens(
         if s.advantages is not None:
             s.advantages = np.where(stale, 0.0, s.advantages)
     return masked
+
+
+def split_at_version_changes(sample: TrainSample) -> list[TrainSample]:
+    """One sample per behaviour version of ``sample``'s sampled tokens, oldest first.
+
+    A sample whose tokens were sampled by several policy versions (a stream that
+    straddled a weight update in ``keep`` mode, or turns of one rollout on both sides of
+    it) becomes one piece per version: each piece keeps the context up to its version's
+    last token, and its loss covers that version's tokens only, so that every piece has
+    one behaviour policy (a sequence-level ratio or correction then means one thing). A
+    sample with one version (or none) is returned as it is, in a list of one. The pieces
+    share ``rollout_id`` and ``sample_index``; ``min_policy_version`` and
+    ``max_policy_version`` are the piece's version.
+    """
+    versions = sample.token_versions()
+    sampled = versions[(sample.loss_mask > 0) & (versions != NO_VERSION)]
+    distinct = sorted(set(sampled.tolist()))
+    if len(distinct) <= 1:
+        return [sample]
+    pieces: list[TrainSample] = []
+    for version in distinct:
+        own = (versions == version) & (sample.loss_mask > 0)
+        end = int(np.flatnonzero(own)[-1]) + 1
+        mask = np.where(own, sample.loss_mask, 0).astype(np.int8)[:end]
+        piece = TrainSample(
+            rollout_id=sample.rollout_id,
+            sample_index=sample.sample_index,
+            group_id=sample.group_id,
+            task_id=sample.task_id,
+            rollout_status=sample.rollout_status,
+            input_ids=sample.input_ids[:end].copy(),
+            loss_mask=mask,
+            behavior_logprobs=sample.behavior_logprobs[:end].copy(),
+            rewards=dict(sample.rewards),
+            reward_info=dict(sample.reward_info),
+            policy_versions=np.array([version], dtype=np.int64),
+            min_policy_version=version,
+            max_policy_version=version,
+            behavior_versions=np.where(own, versions, NO_VERSION).astype(np.int64)[:end],
+            advantages=None
+            if sample.advantages is None
+            else np.where(own, sample.advantages, 0.0)[:end],
+        )
+        pieces.append(piece)
+    return pieces
 
 
 def samples_from_batch(batch: pa.RecordBatch | pa.Table) -> Iterator[TrainSample]:

@@ -10,8 +10,13 @@ Its ``position`` (the shards read to the end, and the row reached in the current
 plain JSON-able dict: save it with a checkpoint and pass it back to resume exactly where
 training stopped, without repeating or skipping a sample.
 
-Filters: rollout status, a policy-version range, and staleness (a sample whose oldest turn
-is more than ``max_staleness`` versions behind ``current_version()`` is dropped and counted).
+Filters: rollout status, a policy-version range, and staleness: with ``max_staleness``,
+``stale="drop"`` drops (and counts) a sample whose oldest turn is more than that many
+versions behind ``current_version()``, and ``stale="mask"`` takes only the tokens that old
+out of the loss (``mask_stale_tokens``), dropping a sample with none left.
+``split_versions=True`` first makes one sample per behaviour version of a sample that
+straddled a weight update (``split_at_version_changes``); the position then counts the
+pieces of a row already handed out, so a resume repeats and skips none.
 
 ``GroupCollector`` holds samples back until a GRPO group is complete (``group_size``
 distinct rollouts). ``ShardIterableDataset`` (in ``turnstile.train.torchdata``) wraps a
@@ -27,7 +32,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
@@ -35,7 +40,13 @@ import pyarrow.parquet as pq
 from turnstile.output.schema import META_SCHEMA_VERSION, META_TABLE, SCHEMA_VERSION
 from turnstile.output.shards import SHARD_PREFIX, SHARD_SUFFIX
 from turnstile.reader import check_shard, open_uri, read_manifests
-from turnstile.train.batches import SAMPLE_COLUMNS, TrainSample, samples_from_batch
+from turnstile.train.batches import (
+    SAMPLE_COLUMNS,
+    TrainSample,
+    mask_stale_tokens,
+    samples_from_batch,
+    split_at_version_changes,
+)
 
 # How often a following reader lists the directories for new shards. The proxy publishes
 # at least every `shard_max_age_s` (30 s by default), so one second adds little latency
@@ -47,20 +58,32 @@ READ_BATCH_ROWS: Final[int] = 1024
 
 @dataclass
 class Position:
-    """Where a follower is: shards read to the end, and the row reached in the current one."""
+    """Where a follower is: shards read to the end, the row reached in the current one,
+    and (with ``split_versions``) the pieces of that row already handed out."""
 
     done: set[str] = field(default_factory=set)
     shard: str | None = None
     row: int = 0
+    piece: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"done": sorted(self.done), "shard": self.shard, "row": self.row}
+        return {
+            "done": sorted(self.done),
+            "shard": self.shard,
+            "row": self.row,
+            "piece": self.piece,
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> Position:
         if not data:
             return cls()
-        return cls(set(data.get("done", [])), data.get("shard"), int(data.get("row", 0)))
+        return cls(
+            set(data.get("done", [])),
+            data.get("shard"),
+            int(data.get("row", 0)),
+            int(data.get("piece", 0)),
+        )
 
 
 @dataclass
@@ -72,6 +95,8 @@ class FollowStats:
     dropped_status: int = 0
     dropped_version: int = 0
     dropped_stale: int = 0
+    masked_stale_tokens: int = 0  # with stale="mask"
+    split_samples: int = 0  # with split_versions: samples cut into one piece per version
 
 
 def _filesystem(root: str | Path) -> tuple[pafs.FileSystem, str, bool]:
@@ -96,6 +121,8 @@ class ShardFollower:
         policy_version_max: int | None = None,
         max_staleness: int | None = None,
         current_version: Callable[[], int] | None = None,
+        stale: Literal["drop", "mask"] = "drop",
+        split_versions: bool = False,
         follow: bool = False,
         poll_interval_s: float = DEFAULT_POLL_INTERVAL_S,
         idle_timeout_s: float | None = None,
@@ -107,12 +134,16 @@ class ShardFollower:
             raise ValueError("no output directory given")
         if max_staleness is not None and current_version is None:
             raise ValueError("max_staleness needs current_version")
+        if stale not in ("drop", "mask"):
+            raise ValueError(f"stale must be 'drop' or 'mask', not {stale!r}")
         self._roots = [_filesystem(r) for r in roots]
         self.statuses = None if statuses is None else frozenset(statuses)
         self.policy_version_min = policy_version_min
         self.policy_version_max = policy_version_max
         self.max_staleness = max_staleness
         self.current_version = current_version
+        self.stale = stale
+        self.split_versions = split_versions
         self.follow = follow
         self.poll_interval_s = poll_interval_s
         self.idle_timeout_s = idle_timeout_s
@@ -153,21 +184,37 @@ class ShardFollower:
         if too_old or too_new:
             self.stats.dropped_version += 1
             return False
-        if (
-            self.max_staleness is not None
-            and self.current_version is not None
-            and s.staleness(self.current_version()) > self.max_staleness
-        ):
-            self.stats.dropped_stale += 1
-            return False
+        if self.max_staleness is not None and self.current_version is not None:
+            current = self.current_version()
+            if self.stale == "mask":
+                if s.num_loss_tokens:
+                    self.stats.masked_stale_tokens += mask_stale_tokens(
+                        [s], current, self.max_staleness
+                    )
+                    if not s.num_loss_tokens:
+                        self.stats.dropped_stale += 1
+                        return False
+            elif s.staleness(current) > self.max_staleness:
+                self.stats.dropped_stale += 1
+                return False
         return True
+
+    def _pieces(self, sample: TrainSample) -> list[TrainSample]:
+        if not self.split_versions:
+            return [sample]
+        pieces = split_at_version_changes(sample)
+        if len(pieces) > 1:
+            self.stats.split_samples += 1
+        return pieces
 
     def _read_shard(self, fs: pafs.FileSystem, path: str, key: str) -> Iterator[TrainSample]:
         with fs.open_input_file(path) as handle:
             parquet = pq.ParquetFile(handle)
             _check_metadata(parquet, key)
-            start = self.position.row if self.position.shard == key else 0
-            self.position.shard, self.position.row = key, start
+            resuming = self.position.shard == key
+            start = self.position.row if resuming else 0
+            skip_pieces = self.position.piece if resuming else 0
+            self.position.shard, self.position.row, self.position.piece = key, start, 0
             row = 0
             for batch in parquet.iter_batches(
                 batch_size=READ_BATCH_ROWS, columns=list(SAMPLE_COLUMNS)
@@ -178,13 +225,20 @@ class ShardFollower:
                 skip = max(0, start - row)
                 row += batch.num_rows
                 for i, sample in enumerate(samples_from_batch(batch.slice(skip))):
-                    # The position moves past a sample before it is handed out.
-                    self.position.row = row - batch.num_rows + skip + i + 1
-                    if self._keep(sample):
-                        self.stats.samples += 1
-                        yield sample
+                    index = row - batch.num_rows + skip + i
+                    pieces = self._pieces(sample)
+                    done = skip_pieces if index == start else 0
+                    for j in range(done, len(pieces)):
+                        # The position moves past a piece (the last: past its row)
+                        # before it is handed out.
+                        last = j == len(pieces) - 1
+                        self.position.row = index + 1 if last else index
+                        self.position.piece = 0 if last else j + 1
+                        if self._keep(pieces[j]):
+                            self.stats.samples += 1
+                            yield pieces[j]
         self.position.done.add(key)
-        self.position.shard, self.position.row = None, 0
+        self.position.shard, self.position.row, self.position.piece = None, 0, 0
         self.stats.shards += 1
 
     def __iter__(self) -> Iterator[TrainSample]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from torch.utils.data import IterableDataset, get_worker_info
 
@@ -37,6 +37,8 @@ class ShardIterableDataset(IterableDataset[Any]):
         policy_version_max: int | None = None,
         max_staleness: int | None = None,
         current_version: Callable[[], int] | None = None,
+        stale: Literal["drop", "mask"] = "drop",
+        split_versions: bool = False,
         follow: bool = False,
         poll_interval_s: float = DEFAULT_POLL_INTERVAL_S,
         idle_timeout_s: float | None = None,
@@ -51,6 +53,8 @@ class ShardIterableDataset(IterableDataset[Any]):
             policy_version_max=policy_version_max,
             max_staleness=max_staleness,
             current_version=current_version,
+            stale=stale,
+            split_versions=split_versions,
             follow=follow,
             poll_interval_s=poll_interval_s,
             idle_timeout_s=idle_timeout_s,
