@@ -12,15 +12,17 @@ asynchronous RL system:
   published when its last rollout finishes), computes the advantages, takes one step of
   the Proximal KL loss and pushes the new weights to vLLM, alternating the two fencing
   modes that lose no tokens: ``keep`` (vLLM reloads, then ``POST /admin/policy_version``;
-  calls in flight go on and keep the version they began with) and ``pause``
+  calls in flight go on, and the tokens they sample after the switch carry the new
+  version) and ``pause``
   (``POST /admin/pause``: new calls wait at Turnstile's fence and the calls in flight
   finish; vLLM reloads; ``POST /admin/resume {"policy_version"}``);
 - staleness: a round is trained one version after the one that sampled it (``ahead``
   versions at most). It is **corrected** with token TIS: each token's weight is
   ``min(pi_theta / mu, cap)`` with ``mu`` the behaviour logprob Turnstile recorded, so a
-  stale token counts by how likely the current policy is to sample it; samples more than
-  ``--max-staleness`` versions old (sample-level ``min_policy_version``) are **dropped**
-  before the step.
+  stale token counts by how likely the current policy is to sample it; tokens more than
+  ``--max-staleness`` versions old (per token, from the recorded
+  ``policy_version_spans``) are **masked** out of the loss before the step, and a sample
+  with no token left is dropped.
 
 The reward of each round (mean ``low + even``, at most 2) is printed and written as JSON,
 with the policy versions recorded in it, the staleness it was trained at, the number of
@@ -71,7 +73,7 @@ ASYNC_CONCURRENCY: Final[int] = 2
 @dataclass
 class AsyncConfig(learn.Config):
     ahead: int = 1  # rounds the rollout thread may run ahead of the trainer
-    max_staleness: int = 1  # samples older than this many versions are dropped
+    max_staleness: int = 1  # tokens older than this many versions leave the loss
     concurrency: int = ASYNC_CONCURRENCY
 
 
@@ -86,7 +88,8 @@ class Push:
 @dataclass
 class AsyncCurve(learn.Curve):
     trained_staleness: list[list[int]] = field(default_factory=list)  # per step, per sample
-    dropped: list[int] = field(default_factory=list)  # per step
+    dropped: list[int] = field(default_factory=list)  # per step: samples with no fresh token
+    masked_tokens: list[int] = field(default_factory=list)  # per step: stale tokens masked
     stale_tis_weight: list[float | None] = field(default_factory=list)  # per step
     pushes: list[Push] = field(default_factory=list)
     reward_by_version: dict[int, float] = field(default_factory=dict)
@@ -201,8 +204,10 @@ class AsyncTrainer(learn.Trainer):
         torch.autograd.backward(out.loss)
         for optimizer in self.optimizers:
             optimizer.step()
-        stale = torch.tensor([s.staleness(version) > 0 for s in samples])[:, None]
-        tokens = (batch["loss_mask"] > 0) & stale
+        # Stale token by token (the recorded `policy_version_spans`): a stream that
+        # straddled a `keep` push has fresh tokens after the switch.
+        sampled_by = batch["behavior_versions"]
+        tokens = (batch["loss_mask"] > 0) & (sampled_by >= 0) & (sampled_by < version)
         return float(out.weights[tokens].mean()) if bool(tokens.any()) else None
 
 
@@ -283,7 +288,12 @@ def run_estimator(
             if k >= cfg.steps:
                 continue  # measures the last policies only
             staleness = [s.staleness(version) for s in samples]
-            kept = [s for s, st in zip(samples, staleness, strict=True) if st <= cfg.max_staleness]
+            # Tokens more than max_staleness versions old leave the loss one by one; a
+            # sample with none left is dropped.
+            curve.masked_tokens.append(
+                batches.mask_stale_tokens(samples, version, cfg.max_staleness)
+            )
+            kept = [s for s in samples if s.num_loss_tokens]
             curve.trained_staleness.append(sorted(staleness))
             curve.staleness.append(max(staleness))
             curve.dropped.append(len(samples) - len(kept))
@@ -408,6 +418,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "trained_staleness": c.trained_staleness,
             "max_staleness": c.staleness,
             "dropped": c.dropped,
+            "masked_tokens": c.masked_tokens,
             "stale_tis_weight": c.stale_tis_weight,
             "pushes": [vars(p) for p in c.pushes],
             "reward_by_version": c.reward_by_version,

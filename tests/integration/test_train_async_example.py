@@ -64,6 +64,7 @@ def check_curves(curves: dict[str, Any]) -> None:
         assert staleness[0] == [0] * len(staleness[0]), name
         assert all(1 in step and max(step) <= 1 for step in staleness[1:]), (name, staleness)
         assert curve["dropped"] == [0] * STEPS, name
+        assert curve["masked_tokens"] == [0] * STEPS, name  # none more than 1 version old
         # The stale tokens were weighed by token TIS against the recorded behaviour.
         weights = curve["stale_tis_weight"]
         assert weights[0] is None, name
