@@ -17,6 +17,21 @@ from turnstile.backends.fake import Reply
 
 BODY = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
 SLOW = Reply(text="w" * 40, event_delay_s=0.03)  # 41 tokens, one event each: 1.2 s
+# Two parallel calls (streamed as vLLM streams them: id and name, then the arguments in
+# pieces), and a stop token's id as the stop reason.
+TOOL_CALLS = Reply(
+    text="ok",
+    finish_reason="tool_calls",
+    stop_reason=151645,
+    tool_calls=[
+        {
+            "id": f"call_{k}",
+            "type": "function",
+            "function": {"name": name, "arguments": f'{{"city": "{city}"}}'},
+        }
+        for k, (name, city) in enumerate((("weather", "Oslo"), ("time", "Lima")))
+    ],
+)
 
 
 def _slow_streams() -> Any:
@@ -299,23 +314,36 @@ def test_stream_whole_calls_assembles_the_answer_and_places_the_switch(
 
 
 @pytest.mark.parametrize(
-    ("path", "extra"),
+    ("path", "extra", "reply"),
     [
-        ("/v1/chat/completions", {"logprobs": True, "return_token_ids": True, "n": 2}),
-        ("/v1/chat/completions", {}),
-        ("/v1/completions", {"logprobs": 1, "return_token_ids": True}),
-        ("/v1/completions", {}),
+        ("/v1/chat/completions", {"logprobs": True, "return_token_ids": True, "n": 2}, Reply()),
+        ("/v1/chat/completions", {}, Reply()),
+        ("/v1/chat/completions", {"return_token_ids": True}, TOOL_CALLS),
+        ("/v1/completions", {"logprobs": 1, "return_token_ids": True}, Reply()),
+        ("/v1/completions", {}, Reply(stop_reason="</answer>")),
+    ],
+    ids=[
+        "chat-logprobs-n2",
+        "chat",
+        "chat-tool-calls-stop-token",
+        "completions-logprobs",
+        "completions-stop-string",
     ],
 )
 def test_an_assembled_answer_has_the_whole_answer_s_fields(
-    make_app: MakeApp, live: Any, tmp_path: Path, path: str, extra: dict[str, Any]
+    make_app: MakeApp,
+    live: Any,
+    tmp_path: Path,
+    path: str,
+    extra: dict[str, Any],
+    reply: Reply,
 ) -> None:
     request: dict[str, Any] = {**(BODY if "chat" in path else {"model": "fake-model"}), **extra}
     if "chat" not in path:
         request["prompt"] = "once upon"
     answers = []
     for n, assembled in enumerate((False, True)):
-        h = make_app(stream_whole_calls=assembled, output=tmp_path / str(n))
+        h = make_app(lambda body: reply, stream_whole_calls=assembled, output=tmp_path / str(n))
         server = live(h.app)
         answers.append(httpx.post(f"{server.url}{path}", json=request, timeout=30).json())
         server.stop()
@@ -323,6 +351,10 @@ def test_an_assembled_answer_has_the_whole_answer_s_fields(
     for body in answers:
         body.pop("id"), body.pop("created")
     _assert_covers(whole, assembled_answer, "answer")
+    if reply is TOOL_CALLS:  # the calls in their places, the stop token's id a number
+        choice = assembled_answer["choices"][0]
+        assert choice["message"]["tool_calls"] == TOOL_CALLS.tool_calls
+        assert choice["stop_reason"] == 151645
 
 
 def _assert_covers(whole: Any, assembled: Any, where: str) -> None:

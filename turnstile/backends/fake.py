@@ -119,13 +119,14 @@ def chat_choice(
     content_logprobs: list[dict[str, Any]] | None,
     finish_reason: str,
     token_ids: list[int] | None,
+    stop_reason: int | str | None = None,
 ) -> dict[str, Any]:
     return {
         "index": index,
         "message": message,
         "logprobs": None if content_logprobs is None else {"content": content_logprobs},
         "finish_reason": finish_reason,
-        "stop_reason": None,
+        "stop_reason": stop_reason,
         "token_ids": token_ids,
     }
 
@@ -188,9 +189,10 @@ def chat_token_chunk(
     entry: dict[str, Any] | None,
     token_id: int | None,
     finish_reason: str | None,
+    stop_reason: int | str | None = None,
 ) -> dict[str, Any]:
     """One sampled token of choice `index`: its text, logprob entry and id (null unless
-    asked for); the last token of a choice carries its `finish_reason`."""
+    asked for); the last token of a choice carries its `finish_reason` and `stop_reason`."""
     choice: dict[str, Any] = {
         "index": index,
         "delta": {"content": piece},
@@ -199,7 +201,7 @@ def chat_token_chunk(
         "token_ids": None if token_id is None else [token_id],
     }
     if finish_reason is not None:
-        choice["stop_reason"] = None
+        choice["stop_reason"] = stop_reason
     return _chunk(completion_id, model, [choice])
 
 
@@ -225,6 +227,7 @@ def completion_choice(
     finish_reason: str | None,
     token_ids: list[int] | None,
     prompt_token_ids: list[int] | None,
+    stop_reason: int | str | None = None,
 ) -> dict[str, Any]:
     """A `text_completion` choice: whole, or one streamed token (`finish_reason` on the last)."""
     return {
@@ -232,7 +235,7 @@ def completion_choice(
         "text": text,
         "logprobs": logprobs,
         "finish_reason": finish_reason,
-        "stop_reason": None,
+        "stop_reason": stop_reason,
         "prompt_token_ids": prompt_token_ids,
         "token_ids": token_ids,
     }
@@ -341,6 +344,8 @@ class Reply:
     die_after_events: int | None = None  # stream: backend dies after this many events
     event_delay_s: float = 0.0
     finish_reason: str = "stop"
+    # what stopped it, as vLLM says: a stop token's id, a stop string, or None (EOS)
+    stop_reason: int | str | None = None
     no_token_ids: bool = False  # behave like a backend that returns no IDs
     tool_calls: list[dict[str, Any]] | None = None  # streamed after the text, one per chunk
     reasoning: str | None = None  # streamed before the text, a character per chunk
@@ -513,11 +518,17 @@ class FakeVLLM:
             if chat:
                 message = chat_message(text, reply.tool_calls, reply.reasoning)
                 entries = self._chat_entries(body, ids)
-                choices.append(chat_choice(c, message, entries, reply.finish_reason, token_ids))
+                choices.append(
+                    chat_choice(
+                        c, message, entries, reply.finish_reason, token_ids, reply.stop_reason
+                    )
+                )
             else:
                 lp = self._completion_logprobs(body, ids)
                 choices.append(
-                    completion_choice(c, text, lp, reply.finish_reason, token_ids, prompt_ids)
+                    completion_choice(
+                        c, text, lp, reply.finish_reason, token_ids, prompt_ids, reply.stop_reason
+                    )
                 )
         token_usage = usage(len(prompt_text), completion_tokens)
         if chat:
@@ -541,6 +552,7 @@ class FakeVLLM:
             lp = None if chat else self._completion_logprobs(body, ids)
             for i, t in enumerate(ids):
                 finish = reply.finish_reason if i == len(ids) - 1 else None
+                stop = reply.stop_reason if finish is not None else None
                 piece = "" if t == EOT else chr(t)
                 token_id = t if want_ids else None
                 if chat:
@@ -548,7 +560,9 @@ class FakeVLLM:
                         events.extend(_tool_call_chunks(model, reply.tool_calls))
                     entry = None if entries is None else entries[i]
                     events.append(
-                        chat_token_chunk("chatcmpl-fake", model, c, piece, entry, token_id, finish)
+                        chat_token_chunk(
+                            "chatcmpl-fake", model, c, piece, entry, token_id, finish, stop
+                        )
                     )
                     continue
                 one = None
@@ -561,7 +575,13 @@ class FakeVLLM:
                     )
                 first_ids = prompt_ids if i == 0 else None
                 choice = completion_choice(
-                    c, piece, one, finish, None if token_id is None else [token_id], first_ids
+                    c,
+                    piece,
+                    one,
+                    finish,
+                    None if token_id is None else [token_id],
+                    first_ids,
+                    stop,
                 )
                 events.append(completion_chunk("cmpl-fake", model, choice))
         options = body.get("stream_options")

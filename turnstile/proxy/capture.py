@@ -234,7 +234,11 @@ class ChoiceCapture:
     top_values: list[list[float]] | None = None
     prompt_token_ids: list[int] | Int32Array | None = None
     finish_reason: str | None = None
-    stop_reason: str | None = None
+    stop_reason: str | None = None  # as recorded (the `stop_reason` column is text)
+    # the stop token's id, where the backend's stop_reason was one (vLLM gives the id of a
+    # stop_token_ids token, and the text of a stop string): an assembled answer gives it
+    # back as the number it was
+    stop_token: int | None = None
     content: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
     tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
@@ -315,6 +319,12 @@ class ChoiceCapture:
                 self.top_ids.append(ids)
                 self.top_values.append(vals)
 
+    def set_stop_reason(self, value: Any) -> None:
+        """A choice's `stop_reason`: recorded as text, kept as a number where it was one."""
+        self.stop_reason = str(value)
+        is_id = isinstance(value, int) and not isinstance(value, bool)
+        self.stop_token = value if is_id else None
+
     def add_common(self, choice: dict[str, Any]) -> None:
         ids = choice.get("token_ids")
         if ids is not None:
@@ -327,7 +337,7 @@ class ChoiceCapture:
             self.finish_reason = str(choice["finish_reason"])
         stop = choice.get("stop_reason")
         if stop is not None:
-            self.stop_reason = str(stop)
+            self.set_stop_reason(stop)
         if isinstance(choice.get("text"), str):
             self.content.append(choice["text"])
 
@@ -450,7 +460,7 @@ class ResponseCapture:
             if finish is not None and (reason := chunk.value(finish)) is not None:
                 cap.finish_reason = str(reason)
             if stop is not None and (reason := chunk.value(stop)) is not None:
-                cap.stop_reason = str(reason)
+                cap.set_stop_reason(reason)
             if text is not None and isinstance(piece := chunk.value(text), str):
                 cap.content.append(piece)
             if chat and delta is not None:
@@ -487,7 +497,7 @@ class ResponseCapture:
             if choice.finish_reason is not None:
                 cap.finish_reason = str(choice.finish_reason)
             if choice.stop_reason is not None:
-                cap.stop_reason = str(choice.stop_reason)
+                cap.set_stop_reason(choice.stop_reason)
             if isinstance(choice.text, str):
                 cap.content.append(choice.text)
             if chat:
