@@ -425,6 +425,7 @@ def test_corpus_results_are_cached(
         ("NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja", {}),
         ("NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use.jinja", {}),
         ("Qwen-QwQ-32B.jinja", {"preserve_thinking": True, "enable_thinking": True}),
+        (R1_QWEN_TEMPLATE, {"preserve_thinking": True, "enable_thinking": True}),
     ],
 )
 def test_known_fix_is_verified(assets: Path, name: str, kwargs: dict[str, Any]) -> None:

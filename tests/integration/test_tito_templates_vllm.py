@@ -5,8 +5,8 @@ earlier turns is dropped by a re-render), a DeepSeek-R1 distill's (DeepSeek's ma
 Qwen2 vocabulary's special slots, its generation prompt opening a <think> block the history
 does not render) and Hermes 3's (ChatML, whose last tool response renders without the
 newline it has once another message follows). Each is TITO-exact but not
-deployment-faithful, so TITO runs with them in the default `tito_history: sampled` (the
-Hermes and Qwen3 templates with their verified fixes, R1's as it is). A multi-turn
+deployment-faithful, so TITO runs with them in the default `tito_history: sampled`, each
+with its verified fix (which keeps earlier reasoning, or Hermes' last newline). A multi-turn
 conversation with a tool round must give prompts that extend the previous prompt + sampled
 completion token for token, one sample equal to the backend's token stream (0 mismatched
 tokens), and a `tito_context_faithful` value on every turn. Where Turnstile's tokenizer is

@@ -145,15 +145,19 @@ _QWQ_CALLS_KEEP = (
 )
 
 
-# R1 distills: a tool-call turn after tool outputs does not close them (a text turn does).
+# R1 distills: a tool-call turn after tool outputs does not close them (a text turn does),
+# and `ns.is_first` is never reset, so every tool-call turn after the first renders its
+# calls without `<｜Assistant｜><｜tool▁calls▁begin｜>` (a later turn's first call is
+# written as if it continued the previous turn's list).
 _R1_TOOL_ROUND = (
     "{%- if message['role'] == 'assistant' and message['tool_calls'] -%}\n"
     "    {%- set ns.is_tool = false -%}"
 )
 _R1_TOOL_ROUND_KEEP = (
     "{%- if message['role'] == 'assistant' and message['tool_calls'] -%}\n"
-    "    {%- if ns.is_tool and " + _KEEP + " -%}"
-    "{{'<\uff5ctool\u2581outputs\u2581end\uff5c>'}}{%- endif -%}\n"
+    "    {%- if " + _KEEP + " -%}"
+    "{%- if ns.is_tool -%}{{'<\uff5ctool\u2581outputs\u2581end\uff5c>'}}{%- endif -%}"
+    "{%- set ns.is_first = false -%}{%- endif -%}\n"
     "    {%- set ns.is_tool = false -%}"
 )
 
