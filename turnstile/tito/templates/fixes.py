@@ -147,7 +147,7 @@ _QWQ_CALLS_KEEP = (
 
 # R1 distills: a tool-call turn after tool outputs does not close them (a text turn does),
 # and `ns.is_first` is never reset, so every tool-call turn after the first renders its
-# calls without `<｜Assistant｜><｜tool▁calls▁begin｜>` (a later turn's first call is
+# calls without the Assistant marker and the tool-calls-begin marker (a later turn's first call is
 # written as if it continued the previous turn's list).
 _R1_TOOL_ROUND = (
     "{%- if message['role'] == 'assistant' and message['tool_calls'] -%}\n"
