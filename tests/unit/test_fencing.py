@@ -85,9 +85,12 @@ def test_pause_lets_calls_in_flight_finish_and_holds_new_ones(make_app: MakeApp,
 
     caller = threading.Thread(target=call)
     caller.start()
-    time.sleep(0.4)
-    assert "status" not in waiting
-    assert httpx.get(f"{server.url}/stats").json()["fence"]["waiting"] == 1
+    deadline = time.monotonic() + 10  # the call reaches the fence (slowly on a busy machine)
+    while httpx.get(f"{server.url}/stats").json()["fence"]["waiting"] != 1:
+        assert time.monotonic() < deadline, "the new call never reached the fence"
+        time.sleep(0.02)
+    time.sleep(0.2)
+    assert "status" not in waiting  # held there
     resumed_at = time.monotonic()
     resumed = httpx.post(f"{server.url}/admin/resume", json={"policy_version": 7}, timeout=10)
     caller.join(10)
