@@ -10,6 +10,7 @@ processor's output on the images the client sent.
 
 from __future__ import annotations
 
+import base64
 import io
 import math
 import sys
@@ -17,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
 import numpy as np
 import openai
@@ -237,3 +239,86 @@ def test_images_are_recorded_with_exact_spans_and_stored_once(
         f"media {rows} rows, {shard_bytes} bytes of shards for {raw} raw bytes "
         f"({shard_bytes / raw:.2f}x)"
     )
+
+
+def test_responses_and_messages_images_reach_vllm_and_are_recorded(
+    vl_vllm: devstack.VLLMServer, vl_model: Path, tmp_path: Path
+) -> None:
+    """The openai SDK's Responses `input_image` and the anthropic SDK's base64 `image`
+    block, through Turnstile to the VL model: each prompt holds the image's placeholder
+    run, as vLLM makes it of the same chat message, and the image is stored once."""
+    out = tmp_path / "out"
+    settings = load_settings(
+        None,
+        {
+            "backends": [vl_vllm.base_url],
+            "output": out,
+            "tokenizer": vl_model,
+            "shard_max_age_s": 0.2,
+        },
+        environ={},
+    )
+    question = "What is in this window?"
+    with LiveServer(create_app(settings)) as turnstile:
+        rid = httpx.post(f"{turnstile.url}/rollouts", json={}, timeout=30).json()["rollout_id"]
+        base = f"{turnstile.url}/rollouts/{rid}"
+        answer = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=300).responses
+        response = answer.create(
+            model=TINY_VL_SERVED_NAME,
+            input=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "input_text", "text": question},
+                        {"type": "input_image", "image_url": data_url(WINDOW), "detail": "auto"},
+                    ],
+                }
+            ],
+            max_output_tokens=4,
+            temperature=0,
+        )
+        assert response.status in ("completed", "incomplete")
+        claude = anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0, timeout=300)
+        message = claude.messages.create(
+            model=TINY_VL_SERVED_NAME,
+            max_tokens=4,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": question},
+                        {
+                            "type": "image",
+                            "source": {
+                                "type": "base64",
+                                "media_type": "image/png",
+                                "data": base64.b64encode(WINDOW).decode(),
+                            },
+                        },
+                    ],
+                }
+            ],
+        )
+        assert message.role == "assistant"
+        assert httpx.post(f"{base}/finish", timeout=30).status_code == 200
+        _, turns = published_rollout(out, rid)
+    direct = _direct_prompt_ids(
+        vl_vllm,
+        [
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": question}, image_part(data_url(WINDOW))],
+            }
+        ],
+    )
+    assert len(turns) == 2  # the Responses call, then the Messages call
+    for turn in turns:
+        (span,) = turn["image_spans"]
+        assert span["sha256"] == sha256_hex(WINDOW)
+        assert span["length"] == expected_tokens(640, 400)
+        ids = turn["prompt_token_ids"]
+        assert set(ids[span["start"] : span["start"] + span["length"]]) == {TINY_VL_IMAGE_TOKEN_ID}
+    # The Responses turn is the chat message vLLM itself renders (no system prompt).
+    assert turns[0]["prompt_token_ids"] == direct
+    media = open_output(out).read("media")
+    assert media.column("sha256").to_pylist() == [sha256_hex(WINDOW)]
