@@ -53,12 +53,16 @@ class Renderer:
 
 
 def as_vllm_renders(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The messages as vLLM's OpenAI server hands them to the template: JSON-string
-    tool-call arguments parsed into dicts (empty ones become ``{}``) and ``reasoning`` copied
-    into ``reasoning_content`` (vLLM's ``chat_utils``)."""
+    """The messages as vLLM's OpenAI server hands them to the template: a missing or null
+    ``content`` as ``""`` (an assistant message with only tool calls, as the openai SDK
+    sends it back, would otherwise break templates that read ``message['content']``),
+    JSON-string tool-call arguments parsed into dicts (empty ones become ``{}``) and
+    ``reasoning`` copied into ``reasoning_content`` (vLLM's ``chat_utils``)."""
     out: list[dict[str, Any]] = []
     for message in messages:
         message = dict(message)
+        if message.get("content") is None:
+            message["content"] = ""
         if message.get("role") == "assistant":
             if message.get("reasoning") is not None:
                 message["reasoning_content"] = message["reasoning"]
