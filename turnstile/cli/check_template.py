@@ -210,11 +210,8 @@ def run(args: argparse.Namespace) -> int:
 def accepted_by_tito(report: Any, history: str) -> bool:
     """Whether TITO mode's gate (`turnstile.tito.gate.choose_template`) takes a template
     with this audit report under `history`."""
+    from turnstile.tito.gate import applicable_fixes
+
     if history == "sampled":
         return bool(report.tito_exact)
-    if report.tito_safe:
-        return True
-    verified = [
-        f for f in report.fixes if f.verified and (f.chat_template_kwargs or f.template is not None)
-    ]
-    return bool(report.tito_exact and verified)
+    return bool(report.tito_safe or (report.tito_exact and applicable_fixes(report)))

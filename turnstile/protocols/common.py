@@ -5,7 +5,8 @@ back as the chat JSON body or as the chat SSE bytes the proxy relays. `translate
 parses those bytes as they arrive and hands each chunk to a protocol's `StreamTranslator`,
 yielding its events at once (nothing is held back to the end). The proxy's own error
 event (`{"error": ...}` after a backend failure) and `[DONE]` reach the translator as
-`error` and `done`. The small readers below check the shapes the translators rely on.
+`error` and `done`. The small readers below check the shapes the translators rely on;
+`chat_content` is the one way both lay out a translated message's content.
 """
 
 from __future__ import annotations
@@ -158,3 +159,13 @@ def reasoning_of(message: dict[str, Any]) -> str | None:
     if not isinstance(value, str):
         value = message.get("reasoning_content")
     return value if isinstance(value, str) else None
+
+
+def chat_content(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    """A translated message's chat content from its `text` and `image_url` parts: the text
+    joined with newlines into one string, as vLLM joins text parts before a chat template
+    renders them (and as TITO's own rendering needs); with an image among them, the parts
+    themselves, in their order (which the template and `turnstile.proxy.media` rely on)."""
+    if any(p["type"] == "image_url" for p in parts):
+        return parts
+    return "\n".join(p["text"] for p in parts)

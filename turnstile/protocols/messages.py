@@ -37,7 +37,13 @@ import orjson
 from turnstile.errors import BadRequest, TurnstileError, Unprocessable
 from turnstile.images import IMAGE_MIME_TYPES
 from turnstile.protocols import checks
-from turnstile.protocols.common import first_choice, reasoning_of, text_or_none, usage_counts
+from turnstile.protocols.common import (
+    chat_content,
+    first_choice,
+    reasoning_of,
+    text_or_none,
+    usage_counts,
+)
 
 log = logging.getLogger("turnstile.protocols.messages")
 
@@ -171,21 +177,13 @@ def _add_message(message: dict[str, Any], i: int, out: list[dict[str, Any]]) -> 
             raise Unprocessable(f"{at}: a {kind!r:.40} block in a {role} message is not supported")
     chat: dict[str, Any] = {"role": role}
     if parts:
-        chat["content"] = _chat_content(parts)
+        chat["content"] = chat_content(parts)
     if reasoning:
         chat["reasoning"] = "".join(reasoning)
     if calls:
         chat["tool_calls"] = calls
     if role == "assistant" or parts:
         out.append(chat)
-
-
-def _chat_content(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
-    """Text parts joined with newlines, as vLLM joins them for a template; with an image
-    among them, the parts themselves."""
-    if any(p["type"] == "image_url" for p in parts):
-        return parts
-    return "\n".join(p["text"] for p in parts)
 
 
 def _image_part(block: dict[str, Any], at: str) -> dict[str, Any]:
@@ -257,7 +255,7 @@ def _tool_message(block: dict[str, Any], at: str) -> dict[str, Any]:
                 f"{where}: only text and images are supported in a tool_result",
                 param="messages",
             )
-    return {"role": "tool", "tool_call_id": call_id, "content": _chat_content(parts)}
+    return {"role": "tool", "tool_call_id": call_id, "content": chat_content(parts)}
 
 
 def _add_tools(body: dict[str, Any], chat: dict[str, Any]) -> None:

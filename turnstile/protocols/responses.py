@@ -36,7 +36,13 @@ from typing import Any, Final
 
 from turnstile.errors import BadRequest, Unprocessable
 from turnstile.protocols import checks
-from turnstile.protocols.common import first_choice, reasoning_of, text_or_none, usage_counts
+from turnstile.protocols.common import (
+    chat_content,
+    first_choice,
+    reasoning_of,
+    text_or_none,
+    usage_counts,
+)
 
 log = logging.getLogger("turnstile.protocols.responses")
 
@@ -213,14 +219,12 @@ def _content(value: Any, at: str, *, images: bool) -> str | list[dict[str, Any]]
     if isinstance(value, str):
         return value
     parts: list[dict[str, Any]] = []
-    with_image = False
     for j, part in enumerate(checks.array(value, at)):
         where = f"{at}[{j}]"
         part = checks.obj(part, where)
         kind = part.get("type")
         if kind == "input_image" and images:
             parts.append(_image_part(part, where))
-            with_image = True
         elif kind in _TEXT_PARTS:
             field_name = "refusal" if kind == "refusal" else "text"
             text = checks.text(part.get(field_name), f"{where}.{field_name}")
@@ -233,9 +237,7 @@ def _content(value: Any, at: str, *, images: bool) -> str | list[dict[str, Any]]
             )
         else:
             raise Unprocessable(f"{where}: {kind!r:.40} content is not supported", param="input")
-    if with_image:
-        return parts
-    return "\n".join(p["text"] for p in parts)
+    return chat_content(parts)
 
 
 def _image_part(part: dict[str, Any], at: str) -> dict[str, Any]:

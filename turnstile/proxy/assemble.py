@@ -121,7 +121,7 @@ class WholeAnswer:
                 "message": message,
                 "logprobs": {"content": lp.content} if lp is not None and lp.seen else None,
                 "finish_reason": cap.finish_reason,
-                "stop_reason": cap.stop_reason if cap.stop_token is None else cap.stop_token,
+                "stop_reason": cap.stop_reason,
                 "token_ids": ids,
                 "routed_experts": None,
             }
@@ -139,7 +139,7 @@ class WholeAnswer:
             "text": cap.text(),
             "logprobs": logprobs,
             "finish_reason": cap.finish_reason,
-            "stop_reason": cap.stop_reason if cap.stop_token is None else cap.stop_token,
+            "stop_reason": cap.stop_reason,
             "token_ids": ids,
             "prompt_logprobs": None,
             "prompt_token_ids": None if prompt is None else [int(t) for t in prompt],

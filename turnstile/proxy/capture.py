@@ -234,11 +234,10 @@ class ChoiceCapture:
     top_values: list[list[float]] | None = None
     prompt_token_ids: list[int] | Int32Array | None = None
     finish_reason: str | None = None
-    stop_reason: str | None = None  # as recorded (the `stop_reason` column is text)
-    # the stop token's id, where the backend's stop_reason was one (vLLM gives the id of a
-    # stop_token_ids token, and the text of a stop string): an assembled answer gives it
-    # back as the number it was
-    stop_token: int | None = None
+    # as the backend said it: vLLM gives a stop_token_ids token's id as a number and a
+    # stop string as text (the `stop_reason` column records its text; an assembled answer
+    # gives it back as it was)
+    stop_reason: int | str | None = None
     content: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
     tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
@@ -320,10 +319,10 @@ class ChoiceCapture:
                 self.top_values.append(vals)
 
     def set_stop_reason(self, value: Any) -> None:
-        """A choice's `stop_reason`: recorded as text, kept as a number where it was one."""
-        self.stop_reason = str(value)
+        """A choice's `stop_reason`: a token id kept as the number it is, anything else
+        as text."""
         is_id = isinstance(value, int) and not isinstance(value, bool)
-        self.stop_token = value if is_id else None
+        self.stop_reason = value if is_id else str(value)
 
     def add_common(self, choice: dict[str, Any]) -> None:
         ids = choice.get("token_ids")

@@ -913,7 +913,7 @@ class Proxy:
                     completion_token_ids=ids,
                     behavior_logprobs=lps,
                     finish_reason=cap.finish_reason,
-                    stop_reason=cap.stop_reason,
+                    stop_reason=None if cap.stop_reason is None else str(cap.stop_reason),
                     response_message_json=orjson.dumps(cap.message()).decode() if is_chat else None,
                     response_text=None if is_chat else cap.text(),
                     top_logprob_ids=top_ids,

@@ -28,7 +28,7 @@ from turnstile.backends.protocol import Backend
 from turnstile.tito.engine import RewritePolicy, TitoEngine
 from turnstile.tito.parsers import ParserSpec, parser_for_template
 from turnstile.tito.render import TemplateRenderer
-from turnstile.tito.templates import AuditError, AuditReport, audit_template
+from turnstile.tito.templates import AuditError, AuditReport, Fix, audit_template
 
 __all__ = [
     "HISTORY_MODES",
@@ -75,6 +75,16 @@ def _template_text(hf: Any, path: Path | None) -> str:
     return template
 
 
+def applicable_fixes(report: AuditReport) -> list[Fix]:
+    """The fixes of `report` TITO mode can apply itself: verified, and made of template
+    variables or a patched template."""
+    return [
+        fix
+        for fix in report.fixes
+        if fix.verified and (fix.chat_template_kwargs or fix.template is not None)
+    ]
+
+
 def choose_template(
     hf: Any,
     template_path: Path | None,
@@ -105,11 +115,7 @@ def choose_template(
             f"the chat template is not TITO-exact (not safe for TITO mode): {reasons} "
             "(see `turnstile check-template`; allow_unsafe_template accepts it anyway)"
         )
-    verified = [
-        fix
-        for fix in report.fixes
-        if fix.verified and (fix.chat_template_kwargs or fix.template is not None)
-    ]
+    verified = applicable_fixes(report)
     if apply_fixes and verified:
         fix = verified[0]
         patched = fix.template

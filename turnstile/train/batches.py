@@ -16,7 +16,7 @@ Per-token advantages (from ``turnstile.train.advantages``) travel along, aligned
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
 import numpy as np
@@ -143,12 +143,8 @@ def split_at_version_changes(sample: TrainSample) -> list[TrainSample]:
         own = (versions == version) & (sample.loss_mask > 0)
         end = int(np.flatnonzero(own)[-1]) + 1
         mask = np.where(own, sample.loss_mask, 0).astype(np.int8)[:end]
-        piece = TrainSample(
-            rollout_id=sample.rollout_id,
-            sample_index=sample.sample_index,
-            group_id=sample.group_id,
-            task_id=sample.task_id,
-            rollout_status=sample.rollout_status,
+        piece = replace(
+            sample,
             input_ids=sample.input_ids[:end].copy(),
             loss_mask=mask,
             behavior_logprobs=sample.behavior_logprobs[:end].copy(),
