@@ -6,12 +6,17 @@ each image's span covers exactly its placeholder tokens (as many as the model's 
 makes of it), the bytes are stored once per hash, and the processor's digest is recorded.
 The trainer's `pixel_values` and `image_grid_thw`, rebuilt from the stored bytes, equal the
 processor's output on the images the client sent.
+
+In TITO mode the same conversation goes to vLLM's token-in route as token ids plus the
+images: each turn's prompt extends the last one token for token, with the placeholders
+expanded by vLLM exactly as its chat route expands them.
 """
 
 from __future__ import annotations
 
 import base64
 import io
+import itertools
 import math
 import sys
 from collections.abc import Iterator
@@ -98,7 +103,8 @@ def vl_vllm(
         vl_model,
         devstack.free_port(),
         served_model_name=TINY_VL_SERVED_NAME,
-        extra_args=["--limit-mm-per-prompt", '{"image": 4}'],
+        # --enable-scale-out: the token-in route TITO sends image turns to
+        extra_args=["--limit-mm-per-prompt", '{"image": 4}', "--enable-scale-out"],
         log_path=tmp_path_factory.mktemp("vllm-vl") / "vllm.log",
         extra_env=vision_env(overlay),
     )
@@ -322,3 +328,129 @@ def test_responses_and_messages_images_reach_vllm_and_are_recorded(
     assert turns[0]["prompt_token_ids"] == direct
     media = open_output(out).read("media")
     assert media.column("sha256").to_pylist() == [sha256_hex(WINDOW)]
+
+
+def _generate_prompt(server: devstack.VLLMServer, ids: list[int], images: list[bytes]) -> list[int]:
+    body = {
+        "model": TINY_VL_SERVED_NAME,
+        "token_ids": ids,
+        "content_parts": [{"type": "image_url", "url": data_url(i)} for i in images],
+        "sampling_params": {"max_tokens": 1, "temperature": 0},
+        "return_token_ids": True,
+    }
+    resp = httpx.post(f"{server.base_url}/inference/v1/generate", json=body, timeout=300)
+    assert resp.status_code == 200, resp.text
+    return list(resp.json()["prompt_token_ids"])
+
+
+def test_tito_sends_image_turns_as_token_ids_with_their_images(
+    vl_vllm: devstack.VLLMServer, vl_model: Path, tmp_path: Path
+) -> None:
+    """Three TITO turns (whole, streamed, whole) of one rollout with images in the first
+    two: every prompt extends the last prompt and completion token for token, so the
+    rollout is one exact sample, and its images sit on vLLM's own placeholder runs."""
+    out = tmp_path / "out"
+    settings = load_settings(
+        None,
+        {
+            "backends": [vl_vllm.base_url],
+            "output": out,
+            "tokenizer": vl_model,
+            "mode": "tito",
+            "shard_max_age_s": 0.2,
+        },
+        environ={},
+    )
+    first: Any = {
+        "role": "user",
+        "content": [
+            {"type": "text", "text": "What is on this screen?"},
+            image_part(data_url(SCREENSHOT)),
+        ],
+    }
+    with LiveServer(create_app(settings)) as turnstile:
+        rid = httpx.post(f"{turnstile.url}/rollouts", json={}, timeout=30).json()["rollout_id"]
+        client = openai.OpenAI(
+            base_url=f"{turnstile.url}/rollouts/{rid}/v1", api_key="unused", timeout=300
+        )
+        answer = client.chat.completions.create(
+            model=TINY_VL_SERVED_NAME, messages=[first], max_tokens=8, temperature=0
+        )
+        messages: list[Any] = [
+            first,
+            answer.choices[0].message.model_dump(exclude_none=True),
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "And this window, beside the first screen?"},
+                    image_part(data_url(WINDOW)),
+                    image_part(data_url(SCREENSHOT)),
+                ],
+            },
+        ]
+        pieces: list[str] = []
+        for chunk in client.chat.completions.create(
+            model=TINY_VL_SERVED_NAME, messages=messages, max_tokens=8, temperature=0, stream=True
+        ):
+            if chunk.choices:
+                pieces.append(chunk.choices[0].delta.content or "")
+                reasoning = getattr(chunk.choices[0].delta, "reasoning", None)
+                pieces.append(reasoning or "")
+        messages += [
+            {"role": "assistant", "content": "", "reasoning": "".join(pieces)},
+            {"role": "user", "content": "Thanks."},
+        ]
+        third = client.chat.completions.create(
+            model=TINY_VL_SERVED_NAME, messages=messages, max_tokens=8, temperature=0
+        )
+        assert third.choices[0].finish_reason in ("stop", "length")
+        stats = httpx.get(f"{turnstile.url}/stats", timeout=30).json()["tito"]
+        assert httpx.post(f"{turnstile.url}/rollouts/{rid}/finish", timeout=30).status_code == 200
+        samples, turns = published_rollout(out, rid)
+
+    assert stats["image_turns"] == 3 and stats["extended"] == 2, stats
+    assert stats["split"] == 0 and stats["placeholder_split"] == 0, stats
+    # The first prompt is what vLLM's chat route makes of the same message.
+    assert turns[0]["prompt_token_ids"] == _direct_prompt_ids(vl_vllm, [first])
+    # Each prompt extends the previous prompt and completion token for token: one sample.
+    for before, after in itertools.pairwise(turns):
+        context = before["prompt_token_ids"] + before["completion_token_ids"]
+        assert after["prompt_token_ids"][: len(context)] == context
+    (sample,) = samples
+    last = turns[-1]
+    assert sample["break_kind"] == "first"
+    assert sample["input_ids"] == last["prompt_token_ids"] + last["completion_token_ids"]
+    big, small = expected_tokens(1280, 800), expected_tokens(640, 400)
+    for turn, images in (
+        (turns[0], [SCREENSHOT]),
+        (turns[1], [SCREENSHOT, WINDOW, SCREENSHOT]),
+        (turns[2], [SCREENSHOT, WINDOW, SCREENSHOT]),
+    ):
+        ids, spans = turn["prompt_token_ids"], turn["image_spans"]
+        assert [s["sha256"] for s in spans] == [sha256_hex(i) for i in images]
+        assert [s["length"] for s in spans] == [big if i is SCREENSHOT else small for i in images]
+        for span in spans:
+            start, end = span["start"], span["start"] + span["length"]
+            assert set(ids[start:end]) == {TINY_VL_IMAGE_TOKEN_ID}
+            assert ids[start - 1] == TINY_VL_VISION_START_ID and ids[end] == TINY_VL_VISION_END_ID
+        assert ids.count(TINY_VL_IMAGE_TOKEN_ID) == sum(s["length"] for s in spans)
+    assert sample["image_spans"] == last["image_spans"]
+    # Why TITO keeps the placeholders unexpanded: vLLM expands ids it is sent again.
+    recorded = turns[0]["prompt_token_ids"]
+    assert len(_generate_prompt(vl_vllm, recorded, [SCREENSHOT])) == len(recorded) + big - 1
+    # The trainer's tensors, rebuilt from the stored bytes, are the processor's output.
+    reader = open_output(out)
+    assert sorted(reader.read("media").column("sha256").to_pylist()) == sorted(
+        [sha256_hex(SCREENSHOT), sha256_hex(WINDOW)]
+    )
+    vision = VisionProcessor(vl_model)
+    rebuilt = vision.sample_inputs(reader, _sample_arrays(reader, sample["sample_index"]))
+    expected = vision.processor(
+        images=[_pil(i) for i in (SCREENSHOT, WINDOW, SCREENSHOT)], return_tensors="np"
+    )
+    assert np.array_equal(rebuilt["pixel_values"], expected["pixel_values"])
+    assert vision.tokens_per_image(rebuilt) == [s["length"] for s in sample["image_spans"]]
+    _log(
+        f"TITO images: {len(sample['input_ids'])} ids in one sample; spans "
+        f"{[(s['start'], s['length']) for s in sample['image_spans']]}; stats {stats}"
+    )

@@ -275,9 +275,24 @@ def test_remote_images_that_cannot_be_taken_are_refused(
     assert not h.sink.turns
 
 
-def test_tito_mode_refuses_images_before_anything_is_sent(tmp_path: Path) -> None:
+def test_tito_mode_takes_images_in_front_of_vllm(tmp_path: Path) -> None:
     settings = load_settings(
         None, {"output": tmp_path / "o", "mode": "tito", "tokenizer": tmp_path}, environ={}
+    )
+    policy = media_policy(settings)
+    assert policy.refusal is None
+    body = {"messages": [user("hi", image_part(data_url(SMALL)))]}
+    found = asyncio.run(collect_images(body, policy))
+    assert found is not None and len(found.refs) == 1
+
+
+def test_tito_mode_refuses_images_in_front_of_sglang_before_anything_is_sent(
+    tmp_path: Path,
+) -> None:
+    settings = load_settings(
+        None,
+        {"output": tmp_path / "o", "mode": "tito", "tokenizer": tmp_path, "backend_kind": "sglang"},
+        environ={},
     )
     policy = media_policy(settings)
     assert policy.refusal == TITO_IMAGE_REFUSAL

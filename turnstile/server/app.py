@@ -67,11 +67,13 @@ RESPONSES_DIR = "responses"
 MODEL_LIST_TIMEOUT_S = 5.0
 
 
-# TITO sends token ids to the backend's completions route, which takes no images.
+# TITO sends image turns to vLLM's token-in route (`turnstile.tito.generate`); SGLang has
+# none that takes token ids and images and answers with what TITO records.
 TITO_IMAGE_REFUSAL = (
-    "TITO mode sends the backend token ids on its /v1/completions route, which takes no "
-    "images: serve image rollouts in record mode (the default), where images are recorded "
-    "with their placeholder spans"
+    "TITO mode sends a conversation with images to vLLM's token-in route "
+    "(/inference/v1/generate, vLLM >= 0.32 with --enable-scale-out); the SGLang backend "
+    "has none: record image rollouts in record mode (the default), where images are "
+    "recorded with their placeholder spans"
 )
 
 
@@ -99,7 +101,11 @@ def media_policy(settings: Settings) -> MediaPolicy:
         remote=settings.remote_images,
         allowed_hosts=frozenset(settings.remote_image_hosts),
         max_image_bytes=settings.max_image_bytes,
-        refusal=TITO_IMAGE_REFUSAL if settings.mode == "tito" else None,
+        refusal=(
+            TITO_IMAGE_REFUSAL
+            if settings.mode == "tito" and settings.backend_kind == "sglang"
+            else None
+        ),
         image_token_id=image_token_id,
         processor_digest=digest,
     )
@@ -154,6 +160,7 @@ def _tito_backend(
             tool_parser=settings.tool_parser,
             reasoning_parser=settings.reasoning_parser,
             history=settings.tito_history,
+            image_token_id=media_policy(settings).image_token_id,
         )
     except TemplateRefused as exc:
         raise SettingsError(f"TITO mode: {exc}") from None

@@ -11,6 +11,7 @@ produced.
 * ``render``: the token delta of new messages (``TemplateRenderer``);
 * ``history``: per-rollout token states and whether a request extends one (``match``);
 * ``convert``: chat request -> token-ID completions request, and the answer back;
+* ``generate``: image turns: token IDs plus the images to vLLM's token-in route;
 * ``engine``: ``TitoEngine``, TITO mode's request path and per-rollout token state;
 * ``backend``: ``TitoBackend``, the engine behind the ``Backend`` seam, around the real one;
 * ``setup``: building the engine from settings, with the template audit gate.

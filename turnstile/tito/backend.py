@@ -2,7 +2,8 @@
 
 `TitoBackend` wraps the real backend the way the SGLang adapter does: a chat completion
 call (`POST /v1/chat/completions`) is handed to the `TitoEngine`, which sends it to
-`/v1/completions` as token IDs and answers with a chat response; everything else
+`/v1/completions` as token IDs (or, with images, to vLLM's `/inference/v1/generate`) and
+answers with a chat response; everything else
 (completions calls, `/v1/models`, `/health`, ...) goes to the wrapped backend unchanged.
 The rollout a chat call belongs to is the `ROLLOUT_AFFINITY` the proxy sets around
 `Backend.request`. `forget` drops a sealed rollout's token state.

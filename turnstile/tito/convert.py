@@ -150,9 +150,17 @@ def decode_completion(raw: bytes) -> Any:
 
 
 def _logprob_entries(logprobs: Any, top_k: int) -> list[dict[str, Any]]:
-    """Completions `logprobs` as chat `logprobs.content` entries (sampled token first)."""
+    """Completions `logprobs` as chat `logprobs.content` entries (sampled token first).
+    Entries already in the chat form (vLLM's token-in route) keep it, cut to `top_k`."""
     if not isinstance(logprobs, dict):
         return []
+    content = logprobs.get("content")
+    if isinstance(content, list):
+        return [
+            {**entry, "top_logprobs": list(entry.get("top_logprobs") or [])[:top_k]}
+            for entry in content
+            if isinstance(entry, dict)
+        ]
     tokens = logprobs.get("tokens") or []
     values = logprobs.get("token_logprobs") or []
     tops = logprobs.get("top_logprobs") or []

@@ -18,6 +18,10 @@ A template that drops earlier `<think>` blocks, or a model that samples compact 
 template re-serialises, makes it false: TITO's context is still exactly what the model
 consumed and sampled.
 
+A turn whose conversation holds images goes to vLLM's token-in route instead, with every
+image of the conversation (`turnstile.tito.generate`): the state keeps one unexpanded
+placeholder per image, and the prompt recorded is the one vLLM expands them into.
+
 A history rewrite follows the configured policy: `split` renders the whole conversation as
 a new segment (stitching then starts a new sample whose `parent_sample_index` links the
 earlier one, classified `history_rewritten`); `refuse` answers 409 with where the messages
@@ -28,7 +32,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -45,6 +49,14 @@ from turnstile.tito.convert import (
     completions_body,
     decode_completion,
     echo_needed,
+)
+from turnstile.tito.generate import (
+    GENERATE_PATH,
+    ROUTE_MISSING,
+    ROUTE_MISSING_STATUSES,
+    as_completion,
+    generate_body,
+    image_urls,
 )
 from turnstile.tito.history import TurnState, canonical, match
 from turnstile.tito.parsers import ParserSpec, get_parser, prompt_ends_in_reasoning
@@ -76,6 +88,10 @@ class TitoStats:
     refused: int = 0
     history_rerendered: int = 0  # extended, but the template re-renders the history
     unfaithful: int = 0  # turns whose context differs from the template's rendering
+    image_turns: int = 0  # turns sent with their images to the token-in route
+    # extensions whose image placeholders no longer match the images (a sampled
+    # placeholder token): rendered whole as a new segment instead
+    placeholder_split: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in self.__slots__}
@@ -90,11 +106,14 @@ class TitoEngine:
         renderer: TemplateRenderer,
         parsers: ParserSpec,
         on_rewrite: RewritePolicy = "split",
+        image_token_id: int | None = None,
     ) -> None:
         self.backend = backend
         self.renderer = renderer
         self.parsers = parsers
         self.on_rewrite = on_rewrite
+        # the placeholder token the template renders once per image (None: not checked)
+        self.image_token_id = image_token_id
         self._states: OrderedDict[str, list[TurnState]] = OrderedDict()
         self.counts = TitoStats()
         self.template_info: dict[str, Any] = {}
@@ -124,9 +143,17 @@ class TitoEngine:
         }
 
     # -- the prompt ----------------------------------------------------------------
-    def _prompt(self, rollout_id: str, body: Mapping[str, Any]) -> tuple[list[int], str, bool]:
+    def _placeholders(self, prompt: list[int]) -> int | None:
+        """How many image placeholders `prompt` holds (None: the token is not known)."""
+        token = self.image_token_id
+        return None if token is None else sum(1 for t in prompt if t == token)
+
+    def _prompt(
+        self, rollout_id: str, body: Mapping[str, Any], n_images: int = 0
+    ) -> tuple[list[int], str, bool]:
         """Token IDs for this turn's prompt, the text its end renders to, and whether the
-        prompt is what the template renders for the messages."""
+        prompt is what the template renders for the messages. A conversation with
+        `n_images` images has one unexpanded placeholder per image."""
         messages = list(body["messages"])
         tools, kwargs = body.get("tools"), body.get("chat_template_kwargs")
         if kwargs is not None and not isinstance(kwargs, dict):
@@ -147,22 +174,35 @@ class TitoEngine:
                     "rollout %s: no token delta (%s); starting a new segment", rollout_id, exc
                 )
             else:
-                self.counts.extended += 1
-                if not delta.history_preserved:
-                    self.counts.history_rerendered += 1
                 completion = [int(t) for t in state.completion_ids]
                 if delta.end_of_turn_id is not None and (
                     not completion or completion[-1] not in self.renderer.stops
                 ):
                     completion.append(delta.end_of_turn_id)  # sampling stopped early
                 prompt = [int(t) for t in state.prompt_ids] + completion + delta.ids
-                faithful = (
-                    state.prompt_faithful
-                    and delta.history_preserved
-                    and self.renderer.encode(delta.turn_text) == completion
-                )
-                self.counts.unfaithful += not faithful
-                return prompt, delta.text, faithful
+                found_images = self._placeholders(prompt) if n_images else None
+                if found_images is not None and found_images != n_images:
+                    # The model sampled a placeholder token (or the delta holds one the
+                    # template did not render for an image): the backend would give an
+                    # image to the wrong place, so the conversation is rendered whole.
+                    self.counts.placeholder_split += 1
+                    log.warning(
+                        "rollout %s: the extended prompt holds %d image placeholders for "
+                        "%d images; starting a new segment",
+                        rollout_id,
+                        found_images,
+                        n_images,
+                    )
+                else:
+                    self.counts.extended += 1
+                    self.counts.history_rerendered += not delta.history_preserved
+                    faithful = (
+                        state.prompt_faithful
+                        and delta.history_preserved
+                        and self.renderer.encode(delta.turn_text) == completion
+                    )
+                    self.counts.unfaithful += not faithful
+                    return prompt, delta.text, faithful
         elif found.kind == "repeat" and state is not None:
             self.counts.repeated += 1
             self.counts.unfaithful += not state.prompt_faithful
@@ -187,6 +227,15 @@ class TitoEngine:
             ids, text = self.renderer.prompt(messages, tools, kwargs)
         except RenderError as exc:
             raise Unprocessable(str(exc), param="messages") from None
+        found_images = self._placeholders(ids)
+        if found_images is not None and found_images != n_images:
+            raise Unprocessable(
+                f"the chat template renders {found_images} image placeholders (token id "
+                f"{self.image_token_id}) for the {n_images} images of the messages: TITO "
+                "cannot tell the backend where each image goes (a text-only template, or "
+                "a message that holds the placeholder token as text)",
+                param="messages",
+            )
         return ids, text, True
 
     def _parser_for(self, body: Mapping[str, Any], prompt_text: str) -> Any:
@@ -199,19 +248,35 @@ class TitoEngine:
 
     # -- the call --------------------------------------------------------------------
     async def request(self, rollout_id: str, body: dict[str, Any]) -> BackendResponse:
-        """Send the chat request `body` (with the recording fields) as token IDs."""
-        prompt, prompt_text, faithful = self._prompt(rollout_id, body)
+        """Send the chat request `body` (with the recording fields) as token IDs; with
+        its images, where the conversation has any (`turnstile.tito.generate`)."""
+        images = image_urls(body["messages"])
+        prompt, prompt_text, faithful = self._prompt(rollout_id, body, len(images))
         forward = completions_body(body, prompt)
         top = body.get("top_logprobs")
         top_k = top if isinstance(top, int) and not isinstance(top, bool) else 0
         parser = self._parser_for(body, prompt_text)
+        path, reshape = COMPLETIONS_PATH, _as_is
+        if images:
+            self.counts.image_turns += 1
+            forward = generate_body(body, prompt, images, top_k)
+            path, reshape = GENERATE_PATH, as_completion
         resp = await self.backend.request(
-            "POST", COMPLETIONS_PATH, orjson.dumps(forward), {"Content-Type": _JSON}
+            "POST", path, orjson.dumps(forward), {"Content-Type": _JSON}
         )
         if resp.status >= 400:
+            if images and resp.status in ROUTE_MISSING_STATUSES:
+                try:
+                    detail = (await resp.read())[:_DETAIL_BYTES]
+                finally:
+                    resp.close()
+                log.warning("%s answered %d: %r", GENERATE_PATH, resp.status, detail)
+                raise Unprocessable(ROUTE_MISSING.format(status=resp.status), param="messages")
             return resp
-        known = None if echo_needed(forward) else prompt
-        turn = _Turn(self, rollout_id, body, prompt, known, faithful)
+        # The token-in route expands the images' placeholders: the prompt recorded is the
+        # one it answers with, while the state keeps the prompt as sent.
+        known = None if images or echo_needed(forward) else prompt
+        turn = _Turn(self, rollout_id, body, prompt, known, faithful, reshape, bool(images))
         if forward.get("stream") is True:
             return _StreamAnswer(resp, turn, ChatStream(parser, top_k, known_prompt=known))
         return _WholeAnswer(resp, turn, ChatAnswer(parser, top_k))
@@ -219,6 +284,12 @@ class TitoEngine:
 
 # Tokens decoded to learn whether a repeated prompt ends inside a reasoning block.
 _TAIL_TOKENS = 16
+# Bytes of a refusing backend's answer kept for the log.
+_DETAIL_BYTES = 512
+
+
+def _as_is(obj: Any) -> Any:
+    return obj
 
 
 @dataclass(slots=True)
@@ -229,6 +300,9 @@ class _Turn:
     prompt: list[int]
     known_prompt: list[int] | None  # `prompt`, unless the backend may have cut it
     faithful: bool  # the prompt is what the template renders for the messages
+    reshape: Callable[[Any], Any]  # the backend's answer in the completions shape
+    # the backend expands image placeholders: the state keeps `prompt` as sent
+    expands: bool = False
 
     def decode(self, raw: bytes) -> Any:
         """A completions answer or chunk; the echo of the prompt ids is skipped unread
@@ -238,12 +312,13 @@ class _Turn:
                 return decode_completion(raw)
             except msgspec.DecodeError:
                 pass  # not the expected shape: orjson below says what is wrong
-        return orjson.loads(raw)
+        return self.reshape(orjson.loads(raw))
 
     def commit(
         self, reply: dict[str, Any], prompt_ids: Any, completion_ids: Any, finish: str | None
     ) -> None:
-        prompt = prompt_ids if isinstance(prompt_ids, list) else self.prompt
+        usable = isinstance(prompt_ids, list) and not self.expands
+        prompt = prompt_ids if usable else self.prompt
         self.engine._commit(
             self.rollout_id,
             TurnState(

@@ -169,6 +169,7 @@ def build_engine(
     reasoning_parser: str | None = None,
     stop_token_ids: tuple[int, ...] = (),
     history: HistoryMode = "sampled",
+    image_token_id: int | None = None,
 ) -> TitoEngine:
     """The TITO engine for `hf` (a Hugging Face tokenizer) in front of `backend`."""
     choice = choose_template(
@@ -192,7 +193,7 @@ def build_engine(
             spec.starts_in_reasoning if reasoning_parser is None else None,
         )
     renderer = TemplateRenderer(hf, choice.template, choice.kwargs, stop_token_ids)
-    engine = TitoEngine(backend, renderer, spec, on_rewrite)
+    engine = TitoEngine(backend, renderer, spec, on_rewrite, image_token_id)
     engine.template_info = {
         "template_sha256": choice.report.template_sha256,
         "fixed": choice.fixed,
