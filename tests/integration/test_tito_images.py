@@ -265,7 +265,8 @@ def test_image_turns_send_unexpanded_placeholders_and_record_the_expanded_ids(
 
 def test_text_only_rollouts_stay_on_the_completions_route(harness: Callable[..., Harness]) -> None:
     h = harness()
-    messages = [{"role": "user", "content": "Hello?"}]
+    # Text that spells the placeholder is no image: not counted, not refused.
+    messages = [{"role": "user", "content": "Hello? <|image_pad|>"}]
     h.model.sample(messages, {"role": "assistant", "content": "Hi."}, "none", None)
     answer = h.client("r-text").chat.completions.create(model="m", messages=messages)
     assert answer.choices[0].message.content.strip() == "Hi."

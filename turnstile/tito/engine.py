@@ -146,7 +146,7 @@ class TitoEngine:
     def _placeholders(self, prompt: list[int]) -> int | None:
         """How many image placeholders `prompt` holds (None: the token is not known)."""
         token = self.image_token_id
-        return None if token is None else sum(1 for t in prompt if t == token)
+        return None if token is None else prompt.count(token)
 
     def _prompt(
         self, rollout_id: str, body: Mapping[str, Any], n_images: int = 0
@@ -227,7 +227,7 @@ class TitoEngine:
             ids, text = self.renderer.prompt(messages, tools, kwargs)
         except RenderError as exc:
             raise Unprocessable(str(exc), param="messages") from None
-        found_images = self._placeholders(ids)
+        found_images = self._placeholders(ids) if n_images else None
         if found_images is not None and found_images != n_images:
             raise Unprocessable(
                 f"the chat template renders {found_images} image placeholders (token id "
